@@ -1,0 +1,39 @@
+"""course_lib — the helper library of the course "FlashAttention from scratch".
+
+One concept per module (see README.md for the map from chapters to modules). Importing
+``course_lib`` has no side effects: the public functions below are loaded on first use, and the
+one deliberate side effect — choosing Triton's interpreter or the GPU — happens in
+:func:`course_lib.runtime.setup` (called by each notebook's first cell, or automatically by the
+kernel modules before their first ``@triton.jit``).
+
+Public API (a contract: tests outside the project call these names):
+
+- ``flash_attention(q, k, v, causal=False, scale=None)`` — Triton kernel, forward and backward.
+- ``flash_attention_numpy(q, k, v, causal=False, scale=None, block_m=..., block_n=...)``.
+- ``flash_attention_numpy_backward(q, k, v, o, lse, do, causal=False, scale=None, ...)``.
+- ``online_softmax(x, block_size)``.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (loaded lazily, so `import course_lib` decorates no kernel)
+_PUBLIC = {
+    "flash_attention": "course_lib.kernels.api",
+    "flash_attention_numpy": "course_lib.tiled",
+    "flash_attention_numpy_backward": "course_lib.tiled_backward",
+    "online_softmax": "course_lib.softmax",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_PUBLIC))

@@ -1,0 +1,213 @@
+"""Generate the learner notebooks (``notebooks/``) from the authored ones (``solutions/``).
+
+In a solution notebook an answer sits between two marker lines inside a code cell::
+
+    # Exercise 3.1: the running update of online softmax
+    def update(m, l, x):
+        ### BEGIN SOLUTION
+        ...
+        ### END SOLUTION
+
+The cell must name its exercise in a comment ``# Exercise N.M: description`` above the block.
+Each block becomes ``raise NotImplementedError("Exercise N.M: description")`` at the block's
+indentation. Outputs, execution counts and widget state are cleared, except the text outputs of
+cells marked ``# NBVAL_CHECK_OUTPUT``: those are the expected values nbval compares against.
+
+Usage::
+
+    python -m course_lib.nbgen            # write notebooks/ from solutions/
+    python -m course_lib.nbgen --check    # exit 1, naming each notebook that is out of step
+    python -m course_lib.nbgen --refresh-outputs solutions/03_online_softmax.ipynb
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
+EXERCISE_RE = re.compile(r"^\s*#\s*(Exercise\s+\d+\.\d+\s*:.*?)\s*$")
+ROOT = Path(__file__).resolve().parent.parent
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+class NotebookError(ValueError):
+    """A solution notebook cannot be turned into a learner notebook; the message says where."""
+
+
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def strip_solutions(source: str, where: str) -> str:
+    """Replace each BEGIN/END SOLUTION block in one cell's source by a NotImplementedError."""
+    lines = source.split("\n")
+    out: list[str] = []
+    exercise = None
+    inside = False
+    for n, line in enumerate(lines, 1):
+        stripped = line.strip()
+        m = EXERCISE_RE.match(line)
+        if m and not inside:
+            exercise = re.sub(r"\s+", " ", m.group(1))
+        if stripped.startswith(BEGIN):
+            if inside:
+                raise NotebookError(f"{where}, line {n}: nested '{BEGIN}' (the previous block "
+                                    f"has no '{END}' yet)")
+            if exercise is None:
+                raise NotebookError(f"{where}, line {n}: '{BEGIN}' without an "
+                                    f"'# Exercise N.M: description' comment above it in the cell")
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f'{indent}raise NotImplementedError({json.dumps(exercise, ensure_ascii=False)})')
+            inside = True
+            continue
+        if stripped.startswith(END):
+            if not inside:
+                raise NotebookError(f"{where}, line {n}: '{END}' without a matching '{BEGIN}'")
+            inside = False
+            continue
+        if not inside:
+            out.append(line)
+    if inside:
+        raise NotebookError(f"{where}: '{BEGIN}' is never closed by '{END}'")
+    return "\n".join(out)
+
+
+def load_notebook(path: Path) -> dict:
+    """Read a notebook's JSON; a corrupt file raises NotebookError naming it."""
+    try:
+        nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise NotebookError(f"{path}: not a readable notebook ({exc})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise NotebookError(f"{path}: not a notebook (no 'cells' list)")
+    return nb
+
+
+def _text_outputs(outputs: list) -> list:
+    keep = []
+    for o in outputs:
+        if o.get("output_type") == "stream":
+            keep.append({"name": o["name"], "output_type": "stream", "text": o["text"]})
+        elif o.get("output_type") in ("execute_result", "display_data") and "text/plain" in o.get("data", {}):
+            entry = {"data": {"text/plain": o["data"]["text/plain"]}, "metadata": {},
+                     "output_type": o["output_type"]}
+            if o["output_type"] == "execute_result":
+                entry["execution_count"] = None
+            keep.append(entry)
+    return keep
+
+
+def clean_cell(cell: dict) -> dict:
+    """Clear a code cell's outputs (keeping CHECK_OUTPUT cells' text) and execution count."""
+    cell = copy.deepcopy(cell)
+    if cell.get("cell_type") == "code":
+        cell["execution_count"] = None
+        keep = CHECK_OUTPUT in _source(cell)
+        cell["outputs"] = _text_outputs(cell.get("outputs", [])) if keep else []
+        cell.get("metadata", {}).pop("execution", None)
+    return cell
+
+
+def generate(nb: dict, name: str) -> dict:
+    """The learner version of solution notebook ``nb`` (``name`` is used in error messages)."""
+    out = copy.deepcopy(nb)
+    cells = []
+    for i, cell in enumerate(out["cells"]):
+        src = _source(cell)
+        where = f"{name}, cell {i}"
+        if cell.get("cell_type") != "code":
+            if BEGIN in src or END in src:
+                raise NotebookError(f"{where}: solution markers in a {cell.get('cell_type')} cell; "
+                                    f"they belong in code cells")
+            cells.append(cell)
+            continue
+        cell = clean_cell(cell)
+        if BEGIN in src or END in src:
+            cell["source"] = strip_solutions(src, where)
+        cells.append(cell)
+    out["cells"] = cells
+    meta = out.setdefault("metadata", {})
+    meta.pop("widgets", None)
+    meta["kernelspec"] = dict(KERNELSPEC)
+    return out
+
+
+def dumps(nb: dict) -> str:
+    """Serialise like Jupyter does (indent 1, trailing newline) so diffs stay small."""
+    return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def build(solutions: Path, notebooks: Path, check: bool = False) -> list[str]:
+    """Generate (or with ``check`` compare) every notebook; return the out-of-step names."""
+    stale = []
+    sources = sorted(Path(solutions).glob("*.ipynb"))
+    if not sources:
+        raise NotebookError(f"{solutions}: no .ipynb files found")
+    expected_names = {p.name for p in sources}
+    for path in sources:
+        text = dumps(generate(load_notebook(path), path.name))
+        target = Path(notebooks) / path.name
+        current = target.read_text(encoding="utf-8") if target.exists() else None
+        if current != text:
+            stale.append(path.name)
+            if not check:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text, encoding="utf-8")
+    for extra in sorted(Path(notebooks).glob("*.ipynb")):
+        if extra.name not in expected_names:
+            stale.append(f"{extra.name} (has no solution notebook)")
+    return stale
+
+
+def refresh_outputs(path: Path, timeout: int = 600) -> None:
+    """Execute a solution notebook and store only its CHECK_OUTPUT cells' text outputs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(path), as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(Path(path).parent)}}).execute()
+    for i, cell in enumerate(nb.cells):
+        nb.cells[i] = nbformat.from_dict(clean_cell(cell))
+    nb.metadata.pop("widgets", None)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    Path(path).write_text(dumps(nb), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.nbgen", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report notebooks out of step")
+    parser.add_argument("--solutions", type=Path, default=ROOT / "solutions")
+    parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
+    parser.add_argument("--refresh-outputs", nargs="+", type=Path, metavar="NOTEBOOK",
+                        help="execute these solution notebooks and store their CHECK_OUTPUT outputs")
+    args = parser.parse_args(argv)
+    try:
+        if args.refresh_outputs:
+            for path in args.refresh_outputs:
+                refresh_outputs(path)
+                print(f"refreshed {path}")
+        stale = build(args.solutions, args.notebooks, check=args.check)
+    except NotebookError as exc:
+        print(f"nbgen: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        for name in stale:
+            print(f"out of step: notebooks/{name} — run `python -m course_lib.nbgen`", file=sys.stderr)
+        if not stale:
+            print(f"notebooks/ is in step with solutions/")
+        return 1 if stale else 0
+    print(f"wrote {len(stale)} notebook(s)" + (f": {', '.join(stale)}" if stale else " (all up to date)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Shared test configuration: chapter markers for notebooks, GPU skipping, fresh RNG seeds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_CHAPTER_RE = re.compile(r"^(\d\d)_")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give every nbval item its chapter marker (from the notebook's file name), so that
+    ``pytest -m ch03`` runs chapter 03's unit tests *and* both versions of its notebook."""
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            m = _CHAPTER_RE.match(path.name)
+            if m:
+                item.add_marker(getattr(pytest.mark, f"ch{m.group(1)}"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") and not _cuda_available():
+        pytest.skip("needs a CUDA GPU (this machine has none; run on the GPU machine, see README)")
+
+
+@pytest.fixture
+def device() -> str:
+    """The torch device tests run kernels on: CUDA when present, else CPU (Triton interpreter)."""
+    from course_lib import runtime
+
+    return runtime.current().device
