@@ -1,0 +1,1 @@
+"""Interactive widgets (ipywidgets + matplotlib), one module per widget."""
