@@ -13,6 +13,11 @@ from course_lib.exercises import ch03
 pytestmark = pytest.mark.ch03
 
 
+def named_cause(message: str) -> str:
+    """The text after "likely cause: " in a check's diagnosis ("" when none is named)."""
+    return message.partition("likely cause: ")[2]
+
+
 def stub(*args):
     raise NotImplementedError("Exercise 3.x")
 
@@ -90,9 +95,10 @@ def test_update_mistakes_rejected_and_named(wrong, cause):
         ch03.check_online_update(wrong)
     message = str(failure.value)
     assert message.startswith("✗ Exercise 3.1: wrong answer on case 1")
-    assert "likely cause: " + cause in message
+    assert cause in named_cause(message)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_no_max_subtraction_is_caught_as_overflow_on_large_scores():
     """Even if small scores happened to pass, scores around 1000 overflow: the message says so."""
     def only_large_wrong(m, l, x_tile):
@@ -199,7 +205,7 @@ def test_merge_mistakes_rejected_and_named(wrong, cause):
         ch03.check_merge(wrong)
     message = str(failure.value)
     assert message.startswith("✗ Exercise 3.2: wrong answer")
-    assert "likely cause: " + cause in message
+    assert cause in named_cause(message)
 
 
 def test_merge_wrong_shape_named():

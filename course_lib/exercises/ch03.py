@@ -1,0 +1,219 @@
+"""Checks for chapter 03 (online softmax): exercise 3.1, the running update, and 3.2, the merge.
+
+Each check runs the learner's function on prepared cases (float64 unless a case says otherwise;
+irregular tile widths; leading batch dims; scores in the thousands; masked ``-inf`` scores) and
+compares with :mod:`course_lib.softmax`. When the answer is wrong, the known mistakes below are
+replayed on the failing case; the one that reproduces the learner's output is named.
+
+The mistake models are public (``UPDATE_MISTAKES``, ``MERGE_MISTAKES``) so that tests and
+instructors can see what is recognised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from course_lib import softmax
+from course_lib.checks import Case, check_function
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3.1: online_update(m, l, x_tile) -> (m_new, l_new)
+# ----------------------------------------------------------------------------------------------
+
+def _tile_max(x_tile):
+    return np.max(x_tile, axis=-1)
+
+
+def _update_no_rescale(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    return m_new, l + np.exp(x_tile - m_new[..., None]).sum(-1)
+
+
+def _update_no_max(m, l, x_tile):
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.maximum(m, _tile_max(x_tile)), l + np.exp(x_tile).sum(-1)
+
+
+def _update_no_max_rescaled(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return m_new, l * np.exp(m - m_new) + np.exp(x_tile).sum(-1)
+
+
+def _update_wrong_sign(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return m_new, l * np.exp(m_new - m) + np.exp(x_tile - m_new[..., None]).sum(-1)
+
+
+def _update_tile_own_max(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    tile = np.exp(x_tile - _tile_max(x_tile)[..., None]).sum(-1)
+    return m_new, l * np.exp(m - m_new) + tile
+
+
+def _update_old_max_for_tile(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return m_new, l * np.exp(m - m_new) + np.exp(x_tile - m[..., None]).sum(-1)
+
+
+def _update_max_not_returned(m, l, x_tile):
+    return m, softmax.online_update(m, l, x_tile)[1]
+
+
+NO_RESCALE = ("the running sum is not rescaled: when the max grows from m to m_new, the old l "
+              "(a sum of exp(x - m)) must be multiplied by the correction exp(m - m_new)")
+NO_MAX = ("the max is not subtracted: exp(x) overflows to inf for large scores (fp32 near 89) — "
+          "exponentiate exp(x - m_new) and keep l relative to the running max")
+WRONG_SIGN = ("the correction has the wrong sign: use exp(m_old - m_new) (a number <= 1 that "
+              "shrinks the old sum), not exp(m_new - m_old)")
+
+UPDATE_MISTAKES = {
+    NO_RESCALE: _update_no_rescale,
+    NO_MAX: _update_no_max,
+    NO_MAX + " (the old sum was rescaled, but the tile's exp(x) was not shifted)":
+        _update_no_max_rescaled,
+    WRONG_SIGN: _update_wrong_sign,
+    "the tile is exponentiated relative to its own max; it must use the new running max "
+    "m_new = max(m, max(x_tile)), the same reference as the rescaled old sum":
+        _update_tile_own_max,
+    "the tile is exponentiated relative to the old max m; use the new max m_new":
+        _update_old_max_for_tile,
+    "the running max is returned unchanged: return m_new = max(m, max(x_tile))":
+        _update_max_not_returned,
+}
+
+
+def _update_cases() -> list[Case]:
+    rng = np.random.default_rng(303)
+    # rows 0 and 1: the tile holds a new max; row 2: it does not (correction = 1)
+    m = np.array([0.5, -1.0, 2.0])  # (3,)
+    l = np.array([1.7, 2.3, 1.0])  # (3,)
+    x = np.array([[0.1, 1.9, -0.4, 0.7, 1.2],
+                  [0.3, -2.0, 1.5, 0.0, 0.9],
+                  [1.0, -0.5, 0.2, 1.8, 0.6]])  # (3, 5)
+    empty_m = np.full(2, -np.inf)
+    masked = rng.normal(size=(3, 4))
+    masked[:, [1, 3]] = -np.inf
+    big_m = np.array([995.0, 1003.0, 1001.5, 998.0])
+    return [
+        Case((m, l, x), label="the tile raises the max in rows 0 and 1"),
+        Case((empty_m, np.zeros(2), rng.normal(size=(2, 7))),
+             label="first tile: empty state m = -inf, l = 0"),
+        Case((big_m, np.array([1.2, 3.4, 2.0, 1.0]), 1000.0 + 3.0 * rng.normal(size=(4, 3))),
+             label="scores around 1000"),
+        Case((np.array([0.2, 1.1, -0.3]), np.array([2.0, 1.0, 3.0]), masked),
+             label="masked scores (-inf) in the tile"),
+        Case((rng.normal(size=(2, 3)), 1.0 + rng.random((2, 3)), rng.normal(size=(2, 3, 1))),
+             label="leading dims (2, 3), a ragged tile of width 1"),
+        Case(tuple(a.astype(np.float32) for a in (m, l, x)), label="float32"),
+    ]
+
+
+def check_online_update(fn):
+    """Check exercise 3.1, ``online_update(m, l, x_tile) -> (m_new, l_new)``; return the function
+    to continue with (the learner's on a pass, the library's when not done yet)."""
+    return check_function("Exercise 3.1", fn, reference=softmax.online_update,
+                          cases=_update_cases(), mistakes=UPDATE_MISTAKES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3.2: merge(m_a, l_a, o_a, m_b, l_b, o_b) -> (m, l, o)
+# ----------------------------------------------------------------------------------------------
+
+def _factors(m_a, m_b):
+    m = np.maximum(m_a, m_b)
+    return m, np.exp(m_a - m), np.exp(m_b - m)
+
+
+def _merge_from(m, l, w_a, w_b, o_a, o_b):
+    """The output merge given the weights a mistake model chose for each part."""
+    return m, l, (w_a[..., None] * o_a + w_b[..., None] * o_b) / l[..., None]
+
+
+def _merge_no_rescale(m_a, l_a, o_a, m_b, l_b, o_b):
+    m = np.maximum(m_a, m_b)
+    return _merge_from(m, l_a + l_b, l_a, l_b, o_a, o_b)
+
+
+def _merge_wrong_sign(m_a, l_a, o_a, m_b, l_b, o_b):
+    m = np.maximum(m_a, m_b)
+    w_a, w_b = l_a * np.exp(m - m_a), l_b * np.exp(m - m_b)
+    return _merge_from(m, w_a + w_b, w_a, w_b, o_a, o_b)
+
+
+def _merge_same_factor(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, _ = _factors(m_a, m_b)
+    w_a, w_b = l_a * c_a, l_b * c_a
+    return _merge_from(m, w_a + w_b, w_a, w_b, o_a, o_b)
+
+
+def _merge_rescaled_twice(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    w_a, w_b = l_a * c_a, l_b * c_b
+    return _merge_from(m, w_a + w_b, w_a * c_a, w_b * c_b, o_a, o_b)
+
+
+def _merge_without_l(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    l = l_a * c_a + l_b * c_b
+    return m, l, (c_a[..., None] * o_a + c_b[..., None] * o_b) / (c_a + c_b)[..., None]
+
+
+def _merge_not_normalised(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    w_a, w_b = l_a * c_a, l_b * c_b
+    return m, w_a + w_b, w_a[..., None] * o_a + w_b[..., None] * o_b
+
+
+def _merge_plain_average(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, l, _ = softmax.merge_states_with_output(m_a, l_a, o_a, m_b, l_b, o_b)
+    return m, l, (o_a + o_b) / 2
+
+
+MERGE_MISTAKES = {
+    "the sums are not rescaled to the common max: each l is relative to its own m, so "
+    "l = l_a exp(m_a - m) + l_b exp(m_b - m)": _merge_no_rescale,
+    "the correction has the wrong sign: use exp(m_a - m) and exp(m_b - m) (each <= 1), "
+    "not exp(m - m_a)": _merge_wrong_sign,
+    "the same correction exp(m_a - m) is used for both parts: part b needs its own "
+    "exp(m_b - m)": _merge_same_factor,
+    "the correction is applied twice: o_a must be weighted by l_a exp(m_a - m) once, not by the "
+    "already rescaled sum times exp(m_a - m) again": _merge_rescaled_twice,
+    "the outputs are weighted by the corrections alone: each o must be weighted by its share of "
+    "the sum, l_a exp(m_a - m) / l": _merge_without_l,
+    "the merged output is not divided by the merged sum l": _merge_not_normalised,
+    "o_a and o_b are simply averaged: weight each by its share of the merged sum": _merge_plain_average,
+}
+
+
+def _merge_cases() -> list[Case]:
+    rng = np.random.default_rng(304)
+    d = 5  # value width (HEAD_DIM): odd on purpose
+
+    def part(m, size):
+        m = np.asarray(m, dtype=np.float64)
+        return m, 0.5 + 3.0 * rng.random(m.shape), rng.normal(size=m.shape + (size,))
+
+    def case(m_a, m_b, label, size=d):
+        return Case(part(m_a, size) + part(m_b, size), label=label)
+
+    empty = (np.array([-np.inf, 0.7]), np.array([0.0, 1.5]), np.array([[0.0] * d, [0.3] * d]))
+    mixed = rng.normal(size=(2, 3))
+    return [
+        case([0.5, 1.0, -0.2], [2.0, 3.5, 0.1], "part b has the larger max"),
+        case([4.0, 1.0, 0.0, 2.5], [1.0, 1.0, -3.0, 0.5], "part a has the larger max (row 1 ties)"),
+        Case(empty + part([1.2, -0.4], d), label="part a is empty in row 0 (m = -inf, l = 0)"),
+        case([1000.0, 998.5], [1002.0, 1000.5], "maxima around 1000"),
+        case(mixed, mixed + rng.normal(size=(2, 3)), "leading dims (2, 3)", size=3),
+        Case(tuple(a.astype(np.float32)
+                   for a in part([0.5, 2.0], d) + part([1.5, -1.0], d)), label="float32"),
+    ]
+
+
+def check_merge(fn):
+    """Check exercise 3.2, ``merge(m_a, l_a, o_a, m_b, l_b, o_b) -> (m, l, o)`` with normalised
+    outputs ``o``; return the function to continue with."""
+    return check_function("Exercise 3.2", fn, reference=softmax.merge_states_with_output,
+                          cases=_merge_cases(), mistakes=MERGE_MISTAKES)

@@ -1,0 +1,334 @@
+"""Tiling simulator (chapter 04): step through FlashAttention's tiles and count the HBM traffic.
+
+Controls: *Sequence length* N (queries = keys), *BLOCK_M* (B_r, query rows per tile), *BLOCK_N*
+(B_c, key rows per tile), *Head dim* d, the loop order (FA2: outer loop over Q tiles; FA1: outer
+loop over K/V tiles), *Causal*, and *Step* / *Play* / *Reset*.
+
+The figure shows
+
+* left — the ``T_r × T_c`` grid of score tiles: the tile now in SRAM (orange), tiles done (blue),
+  tiles skipped by the causal mask (dark grey), tiles not reached yet (light grey); the strips on
+  its left and top show which Q block and which K/V block are resident in SRAM;
+* right — HBM reads and writes so far (solid bars) against the run's total (pale bars) and
+  against standard attention at the same size (black ticks), log scale;
+
+and a line of text gives the step and the counters, FLOPs included.
+
+The event list comes from :func:`course_lib.iomodel.tile_events`, a dry run that only adds up
+counts (the tests check it against the real NumPy run's counter), so a grid of 64 × 64 tiles
+takes a few milliseconds to prepare; each step redraws one ``imshow`` array per panel. The widget
+works without a browser: call :meth:`step`, :meth:`reset`, set ``play.value`` or a slider's
+``value`` and read :attr:`position`, :meth:`grid_state` or the artists' data.
+
+Usage::
+
+    from course_lib.widgets.tiling import TilingSimulator
+    TilingSimulator()         # the last expression of a cell displays it
+"""
+
+from __future__ import annotations
+
+import io
+
+import ipywidgets as widgets
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
+
+from course_lib import iomodel
+
+FIGSIZE = (9.0, 4.5)  # inches
+DPI = 100
+PLAY_INTERVAL_MS = 250
+MAX_TICKS = 8  # per axis  # one tile every quarter second when playing
+
+# Slider ranges: the largest grid is MAX_SEQ_LEN / MIN_BLOCK = 64 tiles per side.
+MIN_SEQ_LEN, MAX_SEQ_LEN, SEQ_LEN_STEP = 16, 1024, 8
+MIN_BLOCK, MAX_BLOCK, BLOCK_STEP = 16, 256, 8
+HEAD_DIMS = (32, 64, 128)
+ORDERS = (("FA2: outer Q, inner K/V", "fa2"), ("FA1: outer K/V, inner Q", "fa1"))
+
+# Tile states, the values of the grid array (and indices into the colour map).
+TODO, DONE, SKIPPED, CURRENT = 0, 1, 2, 3
+TILE_COLOURS = ListedColormap(["0.90", "tab:blue", "0.35", "tab:orange"])
+# Block strips: not in SRAM, in SRAM now, finished (its o written: FA2 Q blocks only).
+OUT, RESIDENT, FINISHED = 0, 1, 2
+STRIP_COLOURS = ListedColormap(["0.90", "tab:orange", "tab:blue"])
+
+_KIND_CODE = {"compute": DONE, "skip": SKIPPED, "store": -1, "finish": -1}
+
+
+def _fmt(n: float) -> str:
+    """A count with an SI suffix: 1.23 M, 45.6 k."""
+    for size, suffix in ((1e12, " T"), (1e9, " G"), (1e6, " M"), (1e3, " k")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+class TilingSimulator:
+    """Replays the tile schedule of FA1 or FA2 on an ``N × N`` score matrix.
+
+    Args:
+        seq_len: N. block_m, block_n: tile sizes. head_dim: d. order: ``"fa2"`` or ``"fa1"``.
+        causal: skip the tiles above the diagonal.
+    """
+
+    def __init__(self, seq_len: int = 200, block_m: int = 64, block_n: int = 32,
+                 head_dim: int = 64, order: str = "fa2", causal: bool = False):
+        style = {"description_width": "120px"}
+        self.seq_len = widgets.IntSlider(value=seq_len, min=MIN_SEQ_LEN, max=MAX_SEQ_LEN,
+                                         step=SEQ_LEN_STEP, description="Sequence length N",
+                                         continuous_update=False, style=style)
+        self.block_m = widgets.IntSlider(value=block_m, min=MIN_BLOCK, max=MAX_BLOCK,
+                                         step=BLOCK_STEP, description="BLOCK_M (B_r)",
+                                         continuous_update=False, style=style)
+        self.block_n = widgets.IntSlider(value=block_n, min=MIN_BLOCK, max=MAX_BLOCK,
+                                         step=BLOCK_STEP, description="BLOCK_N (B_c)",
+                                         continuous_update=False, style=style)
+        self.head_dim = widgets.Dropdown(options=HEAD_DIMS, value=head_dim,
+                                         description="Head dim d", style=style)
+        self.order = widgets.ToggleButtons(options=ORDERS, value=order, description="Loop order",
+                                           style={"description_width": "80px"})
+        self.causal = widgets.Checkbox(value=causal, description="Causal (skip hidden tiles)")
+        self.step_button = widgets.Button(description="Step", icon="step-forward",
+                                          button_style="primary")
+        self.reset_button = widgets.Button(description="Reset", icon="undo")
+        self.play = widgets.Play(value=0, min=0, max=1, step=1, interval=PLAY_INTERVAL_MS,
+                                 description="Play", show_repeat=False)
+        self.status = widgets.HTML()
+        self.image = widgets.Image(format="png", layout=widgets.Layout(width="900px"))
+        self.widget = widgets.VBox([
+            widgets.HBox([self.seq_len, self.head_dim]),
+            widgets.HBox([self.block_m, self.block_n]),
+            widgets.HBox([self.order, self.causal]),
+            widgets.HBox([self.step_button, self.play, self.reset_button]),
+            self.status, self.image])
+
+        self.fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+        FigureCanvasAgg(self.fig)
+        grid = self.fig.add_gridspec(2, 3, width_ratios=(0.06, 1.0, 0.95),
+                                     height_ratios=(0.06, 1.0))
+        self.ax_grid = self.fig.add_subplot(grid[1, 1])
+        self.ax_q = self.fig.add_subplot(grid[1, 0], sharey=self.ax_grid)
+        self.ax_kv = self.fig.add_subplot(grid[0, 1], sharex=self.ax_grid)
+        self.ax_io = self.fig.add_subplot(grid[:, 2])
+
+        self.position = 0
+        self._syncing = False
+        for control in (self.seq_len, self.block_m, self.block_n, self.head_dim, self.order,
+                        self.causal):
+            control.observe(lambda change: self.rebuild(), names="value")
+        self.play.observe(self._on_play, names="value")
+        self.step_button.on_click(lambda button: self.step())
+        self.reset_button.on_click(lambda button: self.reset())
+        self.rebuild()
+
+    # -- the schedule ---------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(T_r, T_c)``: the tile grid."""
+        n = self.seq_len.value
+        return iomodel.num_blocks(n, self.block_m.value), iomodel.num_blocks(n, self.block_n.value)
+
+    @property
+    def n_events(self) -> int:
+        return len(self.events)
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.n_events
+
+    def rebuild(self) -> None:
+        """Recompute the event list and the totals for the current controls; go back to step 0."""
+        n, d = self.seq_len.value, self.head_dim.value
+        bm, bn, causal, order = self.block_m.value, self.block_n.value, self.causal.value, self.order.value
+        self.events = iomodel.tile_events(n, n, d, bm, bn, causal, order)
+        self._kind = np.array([_KIND_CODE[e.kind] for e in self.events])  # (E,)
+        self._qi = np.array([-1 if e.q_block is None else e.q_block for e in self.events])
+        self._kj = np.array([-1 if e.kv_block is None else e.kv_block for e in self.events])
+        self._counts = np.array([(e.reads, e.writes, e.flops) for e in self.events])  # (E, 3)
+        self.total = iomodel.io_counts(order, n, n, d, bm, bn, causal)
+        self.standard = iomodel.standard_io(n, n, d)
+        self._init_artists()
+        self._syncing = True
+        self.play.max = self.n_events
+        self.play.value = 0
+        self._syncing = False
+        # Lay the figure out once per setting; steps only change data, so they keep that layout
+        # (re-running constrained layout would double the cost of every frame).
+        self.fig.set_layout_engine("constrained")
+        self.goto(0)
+        self.fig.set_layout_engine("none")
+
+    # -- moving through it ----------------------------------------------------------------------
+
+    def goto(self, position: int) -> None:
+        """Show the state after ``position`` events (0 = nothing done yet)."""
+        self.position = int(np.clip(position, 0, self.n_events))
+        if self.play.value != self.position:
+            self._syncing = True
+            self.play.value = self.position
+            self._syncing = False
+        self.redraw()
+
+    def step(self) -> None:
+        """Advance one event (a tile computed or skipped, or a Q tile's output stored)."""
+        if not self.done:
+            self.goto(self.position + 1)
+
+    def reset(self) -> None:
+        """Back to the start, with the same settings."""
+        self.goto(0)
+
+    def _on_play(self, change) -> None:
+        if not self._syncing:
+            self.goto(change["new"])
+
+    # -- what is drawn --------------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(reads, writes, flops)`` so far, elements and FLOPs."""
+        if self.position == 0:
+            return 0, 0, 0
+        return tuple(int(x) for x in self._counts[self.position - 1])
+
+    def current_event(self):
+        """The last event replayed, or None at the start."""
+        return self.events[self.position - 1] if self.position else None
+
+    def grid_state(self) -> np.ndarray:
+        """``(T_r, T_c)`` int array of TODO / DONE / SKIPPED / CURRENT after :attr:`position`."""
+        state = np.full(self.shape, TODO, dtype=int)
+        tiles = self._kind[:self.position] >= 0  # compute and skip events name a tile
+        state[self._qi[:self.position][tiles], self._kj[:self.position][tiles]] = \
+            self._kind[:self.position][tiles]
+        event = self.current_event()
+        if event is not None and event.kind == "compute":
+            state[event.q_block, event.kv_block] = CURRENT
+        return state
+
+    def resident_blocks(self) -> tuple[int | None, int | None]:
+        """``(q_block, kv_block)`` in SRAM now (None when none is)."""
+        event = self.current_event()
+        if event is None or event.kind == "finish":
+            return None, None
+        if event.kind == "store":
+            return None, None
+        if event.kind == "skip":  # FA2 keeps its Q tile; FA1 keeps its K/V tile
+            return (event.q_block, None) if self.order.value == "fa2" else (None, event.kv_block)
+        return event.q_block, event.kv_block
+
+    def strip_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(q_strip (T_r,), kv_strip (T_c,))`` of OUT / RESIDENT / FINISHED."""
+        t_r, t_c = self.shape
+        q_strip, kv_strip = np.full(t_r, OUT), np.full(t_c, OUT)
+        if self.order.value == "fa2":
+            stored = self._qi[:self.position][self._kind[:self.position] == -1]
+            q_strip[stored[stored >= 0]] = FINISHED
+        q_block, kv_block = self.resident_blocks()
+        if q_block is not None:
+            q_strip[q_block] = RESIDENT
+        if kv_block is not None:
+            kv_strip[kv_block] = RESIDENT
+        return q_strip, kv_strip
+
+    def _init_artists(self) -> None:
+        t_r, t_c = self.shape
+        for ax in (self.ax_grid, self.ax_q, self.ax_kv, self.ax_io):
+            ax.clear()
+        extent = (-0.5, t_c - 0.5, t_r - 0.5, -0.5)
+        self.grid_image = self.ax_grid.imshow(np.zeros((t_r, t_c)), cmap=TILE_COLOURS, vmin=0,
+                                              vmax=CURRENT, interpolation="nearest",
+                                              aspect="auto", extent=extent)
+        if max(t_r, t_c) <= 32:  # tile borders while they are still wide enough to see
+            self.ax_grid.set_xticks(np.arange(t_c + 1) - 0.5, minor=True)
+            self.ax_grid.set_yticks(np.arange(t_r + 1) - 0.5, minor=True)
+            self.ax_grid.grid(which="minor", color="white", linewidth=0.8)
+            self.ax_grid.tick_params(which="minor", length=0)
+        self.ax_grid.set_xlabel(f"K/V block j (BLOCK_N = {self.block_n.value}; T_c = {t_c})")
+        self.ax_q.set_ylabel(f"Q block i (BLOCK_M = {self.block_m.value}; T_r = {t_r})")
+        self.q_image = self.ax_q.imshow(np.zeros((t_r, 1)), cmap=STRIP_COLOURS, vmin=0,
+                                        vmax=FINISHED, aspect="auto",
+                                        extent=(-0.5, 0.5, t_r - 0.5, -0.5))
+        self.kv_image = self.ax_kv.imshow(np.zeros((1, t_c)), cmap=STRIP_COLOURS, vmin=0,
+                                          vmax=FINISHED, aspect="auto",
+                                          extent=(-0.5, t_c - 0.5, 0.5, -0.5))
+        # Few ticks: drawing dozens of tick labels is most of a frame's cost at 64 × 64 tiles.
+        self.ax_grid.xaxis.set_major_locator(MaxNLocator(MAX_TICKS, integer=True))
+        self.ax_grid.yaxis.set_major_locator(MaxNLocator(MAX_TICKS, integer=True))
+        self.ax_q.set_xticks([])
+        self.ax_kv.set_yticks([])
+        self.ax_kv.tick_params(labelbottom=False)
+        self.ax_grid.tick_params(labelleft=False)
+        self.ax_kv.set_title("score tiles: in SRAM now (orange), done (blue), skipped (dark), "
+                             "to do (light)", fontsize=9)
+
+        labels = ["HBM reads", "HBM writes"]
+        y = np.arange(len(labels))
+        total = (self.total.reads, self.total.writes)
+        standard = (self.standard.reads, self.standard.writes)
+        self.ax_io.barh(y, total, color="tab:blue", alpha=0.25, label=f"{self._algo_name()} total")
+        self.io_bars = self.ax_io.barh(y, [1, 1], color="tab:blue",
+                                       label=f"{self._algo_name()} so far")
+        self.ax_io.scatter(standard, y, marker="|", s=900, color="black", linewidths=2.5,
+                           label="standard attention", zorder=3)
+        self.ax_io.set_yticks(y, labels)
+        self.ax_io.set_xscale("log")
+        self.ax_io.xaxis.set_major_locator(LogLocator(numticks=MAX_TICKS))
+        self.ax_io.xaxis.set_minor_locator(NullLocator())
+        self.ax_io.set_xlim(1, 3 * max(max(total), max(standard)))
+        self.ax_io.set_xlabel("elements (log scale)")
+        self.ax_io.set_title(f"HBM traffic, N = {self.seq_len.value}, d = {self.head_dim.value}",
+                             fontsize=9)
+        self.ax_io.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), fontsize=8, ncol=2)
+
+    def _algo_name(self) -> str:
+        return self.order.value.upper()
+
+    def _status_text(self) -> str:
+        event = self.current_event()
+        reads, writes, flops = self.counts()
+        if event is None:
+            what = "Press Step or Play."
+        elif event.kind == "compute":
+            what = f"Tile (i={event.q_block}, j={event.kv_block}) computed in SRAM."
+        elif event.kind == "skip":
+            what = f"Tile (i={event.q_block}, j={event.kv_block}) skipped: the causal mask hides it."
+        elif event.kind == "store":
+            what = f"Q block {event.q_block} finished: o and lse written to HBM."
+        else:
+            what = "All tiles done; last pass wrote lse = m + log l."
+        std = self.standard
+        return (f"<b>Step {self.position} / {self.n_events}</b> — {what}<br>"
+                f"{self._algo_name()} so far: reads {_fmt(reads)}, writes {_fmt(writes)}, "
+                f"FLOPs {_fmt(flops)} &nbsp;|&nbsp; {self._algo_name()} total: "
+                f"{_fmt(self.total.reads)} / {_fmt(self.total.writes)} / {_fmt(self.total.flops)}"
+                f" &nbsp;|&nbsp; standard attention: {_fmt(std.reads)} / {_fmt(std.writes)} / "
+                f"{_fmt(std.flops)}")
+
+    def redraw(self) -> None:
+        """Update the arrays and bars for :attr:`position` and render the figure."""
+        self.step_button.disabled = self.done
+        self.status.value = self._status_text()
+        self.grid_image.set_data(self.grid_state())
+        q_strip, kv_strip = self.strip_states()
+        self.q_image.set_data(q_strip[:, None])
+        self.kv_image.set_data(kv_strip[None, :])
+        reads, writes, _ = self.counts()
+        for bar, value in zip(self.io_bars, (reads, writes)):
+            bar.set_width(max(value, 1))  # log axis: 1 stands for "nothing yet"
+        self._render()
+
+    def _render(self) -> None:
+        buffer = io.BytesIO()
+        self.fig.savefig(buffer, format="png", dpi=DPI)
+        self.image.value = buffer.getvalue()
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

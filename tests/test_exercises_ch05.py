@@ -1,0 +1,290 @@
+"""Chapter 05's exercise checks against a corpus of realistic wrong kernels.
+
+Every wrong kernel must be rejected with a short diagnosis that names the cause; the stub must
+read as "not done yet"; nothing a learner writes may crash the check, hang it, or corrupt memory
+(the guarded runs give every tensor a margin).
+"""
+
+import pytest
+
+from course_lib import runtime
+
+runtime.ensure_configured()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from course_lib import primer  # noqa: E402
+from course_lib.checks import ExerciseFailed  # noqa: E402
+from course_lib.exercises import ch05  # noqa: E402
+
+pytestmark = pytest.mark.ch05
+
+
+def _rejected(check, kernel, *fragments):
+    with pytest.raises(ExerciseFailed) as info:
+        check(kernel)
+    message = str(info.value)
+    assert message.startswith("✗ Exercise 5."), message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert len(message.splitlines()) <= 6, message  # a diagnosis, not a wall
+    return message
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5.1: vector add
+
+
+@triton.jit
+def add_stub(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    raise NotImplementedError("Exercise 5.1: vector add")
+
+
+@triton.jit
+def add_no_mask(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) + tl.load(y_ptr + offsets))
+
+
+@triton.jit
+def add_store_unmasked(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y)
+
+
+@triton.jit
+def add_mask_off_by_one(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets <= n_elements
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y, mask=mask)
+
+
+@triton.jit
+def add_pid_not_scaled(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) + tl.arange(0, BLOCK_SIZE)  # forgot * BLOCK_SIZE
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y, mask=mask)
+
+
+@triton.jit
+def add_wrong_axis(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)  # the grid is 1-D
+    mask = offsets < n_elements
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask)
+             + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
+def add_x_twice(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask)
+             + tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
+def add_typo(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offset, mask=mask), mask=mask)  # noqa: F821
+
+
+@triton.jit
+def add_forever(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    start = 0
+    while start < n_elements:
+        start = start * 2  # never advances
+    tl.store(out_ptr + tl.arange(0, BLOCK_SIZE), tl.zeros([BLOCK_SIZE], tl.float32))
+
+
+def test_library_add_kernel_passes(capsys):
+    assert ch05.check_add_kernel(primer.add_kernel) is primer.add_kernel
+    assert "✅ Exercise 5.1: passed" in capsys.readouterr().out
+
+
+def test_add_stub_is_not_done_and_falls_back(capsys):
+    assert ch05.check_add_kernel(add_stub) is primer.add_kernel
+    assert "not done yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernel, fragments", [
+    (add_no_mask, ("outside out", "mask the tl.store")),
+    (add_store_unmasked, ("outside out", "mask the tl.store")),
+    (add_mask_off_by_one, ("wrote 1 value(s) outside out",)),
+    (add_pid_not_scaled, ("never written", "pid * BLOCK_SIZE")),
+    (add_wrong_axis, ("never written", "pid * BLOCK_SIZE")),
+    (add_x_twice, ("likely cause: x is loaded twice",)),
+    (add_typo, ("NameError", "offset", "is not defined")),
+], ids=lambda v: getattr(v, "__name__", "")[:30])
+def test_add_mistakes_are_rejected_with_their_cause(kernel, fragments):
+    _rejected(ch05.check_add_kernel, kernel, *fragments)
+
+
+def test_add_kernel_that_loops_forever_is_stopped():
+    with pytest.raises(ExerciseFailed, match="stopped after 1 s"):
+        ch05.check_kernel("Exercise 5.1", add_forever, ch05.add_runner(add_forever),
+                          primer.vector_add_reference, ch05._add_cases("cpu"),
+                          fallback=primer.add_kernel, time_limit=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5.2: fused row softmax
+
+
+@triton.jit
+def softmax_stub(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK_SIZE: tl.constexpr):
+    raise NotImplementedError("Exercise 5.2: fused softmax")
+
+
+@triton.jit
+def softmax_other_zero(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                       BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_load_unmasked(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                          BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    x = tl.load(in_ptr + row * in_row_stride + cols).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def softmax_store_unmasked(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                           BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=cols < n_cols,
+                other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0))
+
+
+@triton.jit
+def softmax_rows_by_n_cols(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                           BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(in_ptr + row * n_cols + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_no_max(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                   BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x)
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_unnormalised(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                         BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, tl.exp(x - tl.max(x, axis=0)), mask=mask)
+
+
+@triton.jit
+def softmax_out_stride_mixed_up(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                                BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * in_row_stride + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_arange_n_cols(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols,
+                          BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, n_cols)  # not a constexpr power of two
+    x = tl.load(in_ptr + row * in_row_stride + cols).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0))
+
+
+def test_library_softmax_kernel_passes(capsys):
+    assert ch05.check_softmax_kernel(primer.softmax_kernel) is primer.softmax_kernel
+    assert "✅ Exercise 5.2: passed" in capsys.readouterr().out
+
+
+def test_softmax_stub_is_not_done_and_falls_back(capsys):
+    assert ch05.check_softmax_kernel(softmax_stub) is primer.softmax_kernel
+    assert "not done yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernel, fragments", [
+    (softmax_other_zero, ("likely cause: the masked lanes were loaded as 0",)),
+    (softmax_load_unmasked, ("depends on memory outside the inputs", "mask it with cols < n_cols")),
+    (softmax_store_unmasked, ("outside out", "mask the tl.store")),
+    (softmax_rows_by_n_cols, ("outside the inputs", "in_row_stride")),
+    (softmax_no_max, ("NaN or inf", "subtract the running max")),
+    (softmax_unnormalised, ("likely cause: the row is not divided by its sum",)),
+    (softmax_out_stride_mixed_up, ("out_row_stride",)),
+    (softmax_arange_n_cols, ("failed on case 1",)),
+], ids=lambda v: getattr(v, "__name__", "")[:30])
+def test_softmax_mistakes_are_rejected_with_their_cause(kernel, fragments):
+    _rejected(ch05.check_softmax_kernel, kernel, *fragments)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading errors
+
+
+def test_is_not_done_recognises_interpreter_and_compiler_forms():
+    wrapped = RuntimeError("InterpreterError")
+    wrapped.__cause__ = NotImplementedError("Exercise 6.1: update")
+    assert ch05.is_not_done(wrapped)
+    # on a GPU the compiler quotes the stub's source line in its message
+    assert ch05.is_not_done(RuntimeError('at 3:4:\n    raise NotImplementedError("Exercise 5.1")\n'
+                                         "unsupported AST node type: Raise"))
+    assert not ch05.is_not_done(ValueError("shapes do not match"))
+
+
+def test_summary_of_a_compilation_error_quotes_the_line_and_hint():
+    class FakeCompilationError(Exception):  # the attributes triton's CompilationError has
+        def __init__(self):
+            super().__init__("at 2:10: ... a wall of text ...")
+            self.src = "def k(p, v):\n    acc = tl.dot(p, v)\n"
+            self.node = type("Node", (), {"lineno": 2, "col_offset": 10})()
+            self.error_message = "Both operands must be same dtype. Got fp32 and fp16"
+    summary = ch05.summarize_kernel_error(FakeCompilationError())
+    assert summary.splitlines()[0] == ("line 2 of the kernel: `acc = tl.dot(p, v)` — Both operands "
+                                       "must be same dtype. Got fp32 and fp16")
+    assert "p.to(v.dtype)" in summary
+
+
+def test_embed_keeps_values_and_fills_the_margin():
+    x = torch.arange(6.0).reshape(2, 3)
+    view, buffer = ch05.embed(x, (1, 2), fill=-1.0)
+    assert torch.equal(view, x) and view.stride() == (5, 1)
+    assert buffer.shape == (3, 5) and int((buffer == -1.0).sum()) == 15 - 6
+    with pytest.raises(ValueError, match="one entry per dim"):
+        ch05.embed(x, (1,), fill=0.0)
