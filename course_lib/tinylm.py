@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib import runtime
+
 __all__ = ["TEXT", "CharDataset", "TinyLMConfig", "TinyLM", "sdpa_attention",
            "flash_attention_causal", "ATTENTIONS", "train", "loss_tolerance",
-           "CPU_CONFIG", "GPU_CONFIG", "LOSS_ATOL_INTERPRETER", "LOSS_ATOL_GPU"]
+           "RunSize", "CPU_RUN", "GPU_RUN", "run_size", "LOSS_ATOL_INTERPRETER", "LOSS_ATOL_GPU"]
 
 TEXT = """\
 Attention lets every token look at every other token. For each query we score all the keys,
@@ -41,7 +43,7 @@ tile of weights when it needs it: a little more arithmetic, far less memory traf
 
 # Loss agreement between the two attention functions, same seed (see chapter 07).
 # Interpreter (CPU): both sides compute in float32 with exact dot products, so per-step losses
-# differ by rounding only (measured max |Δ| ≈ 1e-6 over 20 steps of CPU_CONFIG).
+# differ by rounding only (measured: max |Δ| = 5e-7 over 20 steps at CPU_RUN's model size).
 # GPU: IEEE fp32 dots on both sides, but different summation orders across many more steps and
 # a larger model; differences grow with training, so the bound is looser.
 LOSS_ATOL_INTERPRETER = 1e-4
@@ -71,13 +73,18 @@ class CharDataset:
         return "".join(self.chars[int(i)] for i in ids)
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator):
-        """``(x, y)``, both ``(B, T)`` long tensors on the CPU; ``y`` is ``x`` shifted by one."""
-        if not 1 <= seq_len < len(self.tokens):
-            raise ValueError(f"seq_len must be in [1, {len(self.tokens) - 1}] for this text, "
-                             f"got {seq_len}")
-        starts = torch.randint(0, len(self.tokens) - seq_len, (batch_size,), generator=generator)
-        offsets = torch.arange(seq_len + 1)
-        windows = self.tokens[starts[:, None] + offsets[None, :]]  # (B, T + 1)
+        """``(x, y)``, both ``(B, T)`` long tensors on the CPU; ``y`` is ``x`` shifted by one.
+
+        Windows start at random positions and wrap around the end of the text, so any
+        ``seq_len`` works (the GPU run's context is longer than the text).
+        """
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        n = len(self.tokens)
+        starts = torch.randint(0, n, (batch_size,), generator=generator)  # (B,)
+        offsets = torch.arange(seq_len + 1)  # (T + 1,)
+        windows = self.tokens[(starts[:, None] + offsets[None, :]) % n]  # (B, T + 1)
         return windows[:, :-1], windows[:, 1:]
 
 
@@ -105,10 +112,26 @@ class TinyLMConfig:
         return self.d_model // self.n_heads
 
 
-# Sizes chapter 07 trains at: tiny in the interpreter (a few seconds), GPT-2-small-like heads on
-# a GPU (head dim 64, 1024 tokens of context).
-CPU_CONFIG = dict(seq_len=32, d_model=32, n_heads=2, n_layers=2)
-GPU_CONFIG = dict(seq_len=1024, d_model=256, n_heads=4, n_layers=4)
+@dataclass(frozen=True)
+class RunSize:
+    """A model size (the :class:`TinyLMConfig` fields other than the vocabulary) and a run length."""
+
+    model: dict
+    steps: int
+    batch_size: int
+
+
+# The runs chapter 07 makes. Interpreter: each Triton program costs ~0.1 s for forward+backward
+# (measured, B·H = 4 programs per kernel here), so ~0.4 s a step and a few seconds in all.
+# GPU: GPT-2-like heads (d = 64) and a 1024-token context, still only seconds on an H100.
+CPU_RUN = RunSize(model=dict(seq_len=32, d_model=32, n_heads=2, n_layers=2), steps=10, batch_size=2)
+GPU_RUN = RunSize(model=dict(seq_len=1024, d_model=256, n_heads=4, n_layers=4), steps=50,
+                  batch_size=8)
+
+
+def run_size(on_gpu: bool) -> RunSize:
+    """The run chapter 07 makes in this mode."""
+    return GPU_RUN if on_gpu else CPU_RUN
 
 # An attention function maps q, k, v, each (B, H, T, d), to o (B, H, T, d), causally.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -121,9 +144,9 @@ def sdpa_attention(q, k, v):
 
 def flash_attention_causal(q, k, v):
     """The course's Triton kernel (forward and backward), causal."""
-    # Imported on use, so importing tinylm defines no kernel (course_lib.flash_attention is this
-    # function; importing it from its module also works when course_lib is a namespace package).
-    from course_lib.kernels.api import flash_attention
+    # Imported on use, so importing tinylm defines no kernel (TinyLM() has already chosen GPU or
+    # interpreter by then).
+    from course_lib.kernels.api import flash_attention  # = course_lib.flash_attention
 
     return flash_attention(q, k, v, causal=True)
 
@@ -179,6 +202,10 @@ class TinyLM(nn.Module):
         if not callable(attention):
             raise TypeError(f"attention must be a function f(q, k, v) -> o, got {type(attention).__name__}")
         self.config = config
+        # Choose GPU or Triton interpreter now, before anything (torch.optim, for one) imports
+        # triton: Triton's own helpers (tl.cdiv, tl.sum, ...) are decorated at `import triton`,
+        # so the interpreter switch only takes effect if it is set before that import.
+        runtime.current()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)

@@ -95,7 +95,7 @@ def test_weights_match_softmax_after_last_tile_for_every_preset_and_block_size()
     stepper = ws.SoftmaxStepper()
     for preset in ws.PRESETS:
         stepper.preset.value = preset
-        for block_size in (1, 5, len(stepper.row)):
+        for block_size in (1, 5):  # one score at a time; a ragged tiling (5 divides no row)
             stepper.block_slider.value = min(block_size, stepper.block_slider.max)
             stepper.run_to_end()
             w = stepper.current_weights()

@@ -212,6 +212,11 @@ class GuardedRun:
                           "tl.arange(0, BLOCK_SIZE), and the grid must cover every block")
     load_hint: str = ("a tl.load reads outside the input — a missing mask (or other=) on a load, "
                       "or a wrong offset or stride")
+    nonfinite_hint: str = ("an exp() of a large positive number (subtract the running max first; "
+                           "the correction is exp(m_old - m_new), never the reverse) or a "
+                           "division by zero")
+    # explain_nonfinite(inputs, outputs) -> a likely cause, or None (e.g. by replaying mistakes)
+    explain_nonfinite: Callable | None = None
 
     def _launch(self, inputs, fill):
         views = [embed(x, m, fill)[0] for x, m in zip(inputs, self.margins)]
@@ -254,10 +259,9 @@ class GuardedRun:
             if all(torch.isfinite(r).all() for r in again):
                 raise KernelProblem(f"the output depends on memory outside the inputs (their "
                                     f"margins hold NaN, and NaN came out) — {self.load_hint}")
+            cause = self.explain_nonfinite(inputs, results) if self.explain_nonfinite else None
             raise KernelProblem("your kernel returns NaN or inf although every input is finite — "
-                                "an exp() of a large positive number (subtract the running max "
-                                "first; the correction is exp(m_old - m_new), never the "
-                                "reverse) or a division by zero")
+                                + (f"likely cause: {cause}" if cause else self.nonfinite_hint))
         return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -268,7 +272,7 @@ class GuardedRun:
 def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                  cases: Sequence[Case], *, fallback, mistakes: dict | None = None,
                  tolerance: tuple[float, float] | None = None,
-                 time_limit: float = KERNEL_TIME_LIMIT_S):
+                 time_limit: float | None = None):
     """Check a kernel exercise and return what the notebook should go on with.
 
     Args:
@@ -279,6 +283,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         cases: inputs to try, irregular sizes first-class.
         fallback: returned when the exercise is not done yet (the library's kernel).
         mistakes: ``{"likely cause": fn}`` as in :func:`course_lib.checks.check_function`.
+        time_limit: seconds per case; default :data:`KERNEL_TIME_LIMIT_S` (read at call time).
 
     Raises:
         ExerciseFailed: with a short diagnosis when the kernel is wrong, fails to compile or
@@ -313,7 +318,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
     try:
         result = checks.check_function(exercise, attempt, reference, cases, fallback=fallback,
                                        tolerance=tolerance, mistakes=mistakes,
-                                       time_limit=time_limit)
+                                       time_limit=time_limit or KERNEL_TIME_LIMIT_S)
     except ExerciseFailed:
         if problem:
             raise ExerciseFailed(f"✗ {exercise}: {problem[-1]}") from None

@@ -1,0 +1,348 @@
+"""Benchmark the course's FlashAttention kernel against PyTorch's attention backends (ch. 06-07).
+
+Run ``python -m course_lib.bench --help``. On a GPU it times, for each cell of the grid
+dtype × head dim d × sequence length N × causal, and for each pass (forward, forward+backward):
+
+- ``course``        ``course_lib.flash_attention`` (our Triton kernels)
+- ``sdpa_flash``    ``scaled_dot_product_attention`` with the FLASH backend (FlashAttention-2)
+- ``sdpa_cudnn``    ... with the CUDNN backend
+- ``sdpa_mem_eff``  ... with the memory-efficient backend
+- ``naive``         q kᵀ, softmax in fp32, p v, all materialised (skipped when it cannot fit)
+
+Each cell uses ``batch · N = 16k`` tokens and ``heads · d = 2048`` (the design doc's grid), random
+normal inputs (never zeros), the median of ``triton.testing.do_bench``, and the FLOP convention
+of the FlashAttention papers (:func:`course_lib.costmodel.attention_flops`): ``4·B·H·N²·d``
+forward, halved when causal, and 3.5× that for forward+backward (the backward counts 2.5×).
+Peak memory is ``torch.cuda.max_memory_allocated`` during one call, minus what was allocated
+before it (the inputs).
+
+Results are a dict, saved as JSON::
+
+    {"meta": {"gpu", "driver", "torch", "triton", "date"},
+     "rows": [{"impl", "dtype", "d", "N", "causal", "pass", "tflops", "peak_mib"}, ...]}
+
+The notebooks call :func:`notebook_cell`: live numbers on a GPU, the recorded ones
+(``course_lib/data/benchmarks/<gpu>.json``) with their provenance on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+from course_lib.costmodel import attention_flops
+
+IMPLS = ("course", "sdpa_flash", "sdpa_cudnn", "sdpa_mem_eff", "naive")
+PASSES = ("fwd", "fwd+bwd")
+BASELINE = "sdpa_flash"  # FlashAttention-2, the issue's yardstick
+RATIO_IMPLS = ("sdpa_flash", "sdpa_cudnn")  # the table shows course ÷ each of these
+GRID = {"dtype": ("float16", "bfloat16"), "d": (64, 128), "N": (1024, 4096, 16384), "causal": (False, True)}
+TOKENS = 16 * 1024  # batch · N
+MODEL_DIM = 2048  # heads · d
+# The naive version materialises (B, H, N, N) fp32 scores and probabilities (and their
+# gradients): above this many score entries it would not fit in an 80 GB H100, so it is skipped.
+NAIVE_MAX_SCORE_ENTRIES = 2**31
+RECORDED_DIR = Path(__file__).resolve().parent / "data" / "benchmarks"
+_PASS_TO_COSTMODEL = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}
+MIB = 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring (GPU only)
+
+
+def problem_shape(n: int, d: int, tokens: int = TOKENS, model_dim: int = MODEL_DIM):
+    """(batch, heads) for one grid cell: batch · N = tokens, heads · d = model_dim."""
+    return max(1, tokens // n), max(1, model_dim // d)
+
+
+def flops(batch, heads, n, d, causal, pass_) -> float:
+    return attention_flops(batch, heads, n, d, causal=causal, pass_=_PASS_TO_COSTMODEL[pass_])
+
+
+def _attention_fn(impl: str):
+    """A callable (q, k, v, causal) -> o for one implementation."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl == "course":
+        from course_lib.kernels.api import flash_attention
+        return lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
+    if impl == "naive":
+        from course_lib.reference import naive_attention_torch
+        return lambda q, k, v, causal: naive_attention_torch(q, k, v, causal=causal)[0]
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[impl]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
+            tokens: int = TOKENS, model_dim: int = MODEL_DIM) -> dict | None:
+    """Time one implementation on one cell; return a result row, or None if it cannot run."""
+    import torch
+    import triton
+
+    batch, heads = problem_shape(n, d, tokens, model_dim)
+    if impl == "naive" and batch * heads * n * n > NAIVE_MAX_SCORE_ENTRIES:
+        return None
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (batch, heads, n, d)
+    needs_grad = pass_ == "fwd+bwd"
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch_dtype, generator=gen).requires_grad_(needs_grad)
+               for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=torch_dtype, generator=gen)
+    fn = _attention_fn(impl)
+    if needs_grad:
+        def step():
+            fn(q, k, v, causal).backward(do)
+    else:
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal)
+    try:
+        step()  # compile / autotune / warm up, and find out whether the backend supports this
+        torch.cuda.synchronize()
+        for x in (q, k, v):
+            x.grad = None
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        ms = triton.testing.do_bench(step, grad_to_none=[q, k, v] if needs_grad else None,
+                                     return_mode="median")
+    except (RuntimeError, torch.OutOfMemoryError) as err:  # backend refuses the shape, or OOM
+        print(f"  {impl} {dtype} d={d} N={n} causal={causal} {pass_}: not run ({str(err).splitlines()[0][:80]})")
+        return None
+    finally:
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return {"impl": impl, "dtype": dtype, "d": d, "N": n, "causal": causal, "pass": pass_,
+            "tflops": round(flops(batch, heads, n, d, causal, pass_) / (ms * 1e-3) / 1e12, 2),
+            "peak_mib": round(peak / MIB, 1)}
+
+
+def machine_meta() -> dict:
+    """GPU name, driver, torch and triton versions, today's date (UTC)."""
+    import torch
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        driver = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+
+
+def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], causals=GRID["causal"],
+             passes=PASSES, impls=IMPLS, tokens: int = TOKENS, model_dim: int = MODEL_DIM,
+             progress: bool = True) -> dict:
+    """Measure every (cell, pass, impl) on this GPU; return ``{"meta", "rows"}``."""
+    import torch
+    from tqdm.auto import tqdm
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("run_grid needs a CUDA GPU; on CPU use load_recorded()")
+    cells = [(dt, d, n, c, p, impl) for dt in dtypes for d in head_dims for n in seq_lens
+             for c in causals for p in passes for impl in impls]
+    rows = []
+    for dt, d, n, c, p, impl in tqdm(cells, desc="benchmark", disable=not progress):
+        row = measure(impl, dt, d, n, c, p, tokens, model_dim)
+        if row is not None:
+            rows.append(row)
+    return {"meta": machine_meta(), "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading, tables and plots (CPU or GPU)
+
+
+def recorded_path(gpu: str = "h100") -> Path:
+    return RECORDED_DIR / f"{gpu.lower()}.json"
+
+
+def load_recorded(gpu: str = "h100") -> dict | None:
+    """The results recorded in the repository for ``gpu``, or None when there are none."""
+    path = recorded_path(gpu)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def provenance(data: dict) -> str:
+    """One line: where and when the numbers were measured."""
+    m = data["meta"]
+    return (f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
+            f"on {m['date']}")
+
+
+def _cells(data: dict, pass_: str) -> dict:
+    """{(dtype, d, N, causal): {impl: row}} for one pass."""
+    cells: dict = {}
+    for row in data["rows"]:
+        if row["pass"] == pass_:
+            cells.setdefault((row["dtype"], row["d"], row["N"], row["causal"]), {})[row["impl"]] = row
+    return dict(sorted(cells.items()))
+
+
+def ratios(data: dict, pass_: str, impl: str = "course", baseline: str = BASELINE) -> list[float]:
+    """TFLOP/s of ``impl`` divided by ``baseline``'s, for every cell where both ran."""
+    return [c[impl]["tflops"] / c[baseline]["tflops"] for c in _cells(data, pass_).values()
+            if impl in c and baseline in c and c[baseline]["tflops"] > 0]
+
+
+def format_table(data: dict, pass_: str) -> str:
+    """A text table: TFLOP/s per impl for each cell, course ÷ sdpa_flash and ÷ sdpa_cudnn, and a
+    summary line (median and minimum of each ratio)."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
+    cells = _cells(data, pass_)
+    impls = [i for i in IMPLS if any(i in c for c in cells.values())]
+    head = (f"{'dtype':<9}{'d':>4}{'N':>7}{'causal':>7} | " + "".join(f"{i:>13}" for i in impls)
+            + " | " + "".join(f"{'÷' + r[5:]:>8}" for r in RATIO_IMPLS))
+    lines = [f"TFLOP/s, {pass_}", head, "-" * len(head)]
+    for (dtype, d, n, causal), row in cells.items():
+        vals = "".join(f"{row[i]['tflops']:>13.1f}" if i in row else f"{'-':>13}" for i in impls)
+        rats = "".join(f"{row['course']['tflops'] / row[r]['tflops']:>8.2f}"
+                       if "course" in row and r in row else f"{'-':>8}" for r in RATIO_IMPLS)
+        lines.append(f"{dtype:<9}{d:>4}{n:>7}{str(causal):>7} | {vals} | {rats}")
+    for r in RATIO_IMPLS:
+        rs = ratios(data, pass_, "course", r)
+        if rs:
+            lines.append(f"course ÷ {r}: median {statistics.median(rs):.2f}, min {min(rs):.2f} "
+                         f"over {len(rs)} cells")
+    return "\n".join(lines)
+
+
+def format_memory(data: dict, pass_: str = "fwd+bwd") -> str:
+    """Peak memory above the inputs (MiB) per impl, for each cell."""
+    cells = _cells(data, pass_)
+    impls = [i for i in IMPLS if any(i in c for c in cells.values())]
+    head = f"{'dtype':<9}{'d':>4}{'N':>7}{'causal':>7} | " + "".join(f"{i:>13}" for i in impls)
+    lines = [f"peak MiB above inputs, {pass_}", head, "-" * len(head)]
+    for (dtype, d, n, causal), row in cells.items():
+        lines.append(f"{dtype:<9}{d:>4}{n:>7}{str(causal):>7} | "
+                     + "".join(f"{row[i]['peak_mib']:>13.0f}" if i in row else f"{'-':>13}" for i in impls))
+    return "\n".join(lines)
+
+
+def plot(data: dict, pass_: str):
+    """TFLOP/s against N, one panel per (dtype, d); solid lines non-causal, dashed causal."""
+    import matplotlib.pyplot as plt
+
+    cells = _cells(data, pass_)
+    panels = sorted({(dt, d) for dt, d, _, _ in cells})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4 * max(1, len(panels)), 3.4),
+                             squeeze=False, sharey=True)
+    for ax, (dt, d) in zip(axes[0], panels):
+        for j, impl in enumerate(IMPLS):
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = sorted((n, row[impl]["tflops"]) for (dt2, d2, n, c), row in cells.items()
+                             if dt2 == dt and d2 == d and c == causal and impl in row)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=f"C{j}",
+                            label=impl if not causal else None)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dt}, d={d}")
+        ax.set_xlabel("sequence length N")
+    axes[0][0].set_ylabel(f"TFLOP/s ({pass_})")
+    axes[0][0].legend(fontsize=8, title="dashed: causal", title_fontsize=8)
+    title = f"attention {pass_}"
+    if "meta" in data:
+        title += f" — {data['meta']['gpu']}, {data['meta']['date']}"
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def notebook_cell(pass_: str = "fwd"):
+    """What chapters 06/07 run: live on a GPU (small subset), recorded results on CPU.
+
+    Returns the dict shown (or None when nothing is recorded).
+    """
+    from course_lib import runtime
+
+    rt = runtime.current()
+    if rt.on_gpu:
+        data = run_grid(dtypes=("float16",), head_dims=(64,), seq_lens=(1024, 4096), causals=(False, True),
+                        passes=(pass_,), impls=("course", "sdpa_flash", "sdpa_cudnn", "naive"))
+        print("Live run: " + provenance(data))
+    else:
+        data = load_recorded("h100")
+        if data is None:
+            print("No GPU results recorded yet (course_lib/data/benchmarks/h100.json is missing).")
+            return None
+        print("No GPU here: showing recorded results. " + provenance(data))
+    print(format_table(data, pass_))
+    plot(data, pass_)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "causal"):
+        return True
+    if s.lower() in ("0", "false", "no", "noncausal", "non-causal"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", nargs="+", default=list(GRID["dtype"]), choices=["float16", "bfloat16"])
+    p.add_argument("--head-dim", nargs="+", type=int, default=list(GRID["d"]))
+    p.add_argument("--seq-len", nargs="+", type=int, default=list(GRID["N"]))
+    p.add_argument("--causal", nargs="+", type=_bool, default=list(GRID["causal"]))
+    p.add_argument("--pass", dest="passes", nargs="+", default=list(PASSES), choices=PASSES)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--tokens", type=int, default=TOKENS, help="batch · N (default 16k)")
+    p.add_argument("--out", type=Path, help="write the results JSON here")
+    p.add_argument("--plot", type=Path, help="write a plot (one figure per pass, suffixed) here")
+    p.add_argument("--show-recorded", default=None, metavar="GPU",
+                   help="print the recorded table for GPU (e.g. h100) instead of measuring")
+    args = p.parse_args(argv)
+    if args.show_recorded:
+        data = load_recorded(args.show_recorded)
+        if data is None:
+            raise SystemExit(f"no results recorded for {args.show_recorded} at {recorded_path(args.show_recorded)}")
+    else:
+        data = run_grid(args.dtype, args.head_dim, args.seq_len, args.causal, args.passes, args.impl,
+                        tokens=args.tokens)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(provenance(data))
+    for pass_ in PASSES:
+        if any(r["pass"] == pass_ for r in data["rows"]):
+            print()
+            print(format_table(data, pass_))
+    if any(r["pass"] == "fwd+bwd" for r in data["rows"]):
+        print()
+        print(format_memory(data, "fwd+bwd"))
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        for pass_ in PASSES:
+            if any(r["pass"] == pass_ for r in data["rows"]):
+                out = args.plot.with_name(f"{args.plot.stem}_{pass_.replace('+', '_')}{args.plot.suffix}")
+                plot(data, pass_).savefig(out, dpi=120)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The course in a real browser: JupyterLab in headless Chromium, every widget chapter run and played with.
+
+A learner meets the widgets in JupyterLab, not in pytest: a widget that works in Python but shows
+"Error displaying widget" in the page is broken for them. For each widget chapter this test opens
+the *learner* notebook (``notebooks/NN_*.ipynb``) in the course's own JupyterLab (the server
+``make lab`` starts), runs Run → Run All Cells, checks that the widget rendered with its figure
+and with no error text, moves a slider / presses Step or Next and checks that the figure changed.
+
+Screenshots for a human to look at go to ``test-artifacts/screenshots/``:
+``chNN_notebook.png`` (the whole notebook after Run All), ``chNN_widget.png`` (the widget as
+first drawn) and ``chNN_widget_after.png`` (after the interactions). The time each interaction
+took to redraw the figure is printed (``pytest -s -m browser`` shows it).
+
+Needs Debian's Chromium at /usr/bin/chromium (``make test`` installs it); skips, saying so,
+without it. Run alone with ``pytest -m browser``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import browser_helpers as bh
+from lab_server import running_lab
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
+LOGS = ROOT / "test-artifacts" / "logs"
+
+RUN_ALL_TIMEOUT_S = 240  # the Triton-interpreter chapters take tens of seconds on 2 CPU cores
+REDRAW_TIMEOUT_S = 20  # a control's change must reach the figure within this
+SLOW_REDRAW_S = 2.0  # slower than this is reported as a slow control (not a failure)
+MIN_FIGURE_WIDTH_PX = 500  # a plot narrower than this on a 1400-px screen is too small to read
+
+pytestmark = pytest.mark.browser
+needs_chromium = pytest.mark.skipif(
+    not bh.CHROMIUM.exists(),
+    reason=f"needs Debian's Chromium at {bh.CHROMIUM} "
+           "(`make test` installs it with apt-get when it can; see README)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a learner does to a widget: ``kind`` is "slider" (press ArrowRight ``times``),
+    "button" (click ``times``) or "dropdown" (pick the next option); ``label`` is the control's
+    description or the button's text."""
+    kind: str
+    label: str
+    times: int = 1
+
+
+@dataclass(frozen=True)
+class WidgetChapter:
+    chapter: str
+    stem: str  # notebooks/<stem>.ipynb, without the chapter's exact title
+    what: str
+    anchor: str  # a control label that identifies the widget's output
+    actions: tuple[Action, ...] = field(default_factory=tuple)
+
+
+WIDGET_CHAPTERS = [
+    WidgetChapter("01", "01_", "memory-vs-N slider (course_lib/widgets/memory.py)",
+                  anchor="sequence length N",
+                  actions=(Action("slider", "sequence length N"), Action("slider", "heads H", 3),
+                           Action("dropdown", "GPU"))),
+    WidgetChapter("02", "02_", "arithmetic-intensity calculator and roofline "
+                  "(course_lib/widgets/roofline.py)",
+                  anchor="sequence length N",
+                  actions=(Action("slider", "sequence length N"), Action("slider", "head dim d"),
+                           Action("dropdown", "GPU"))),
+    WidgetChapter("03", "03_", "online-softmax stepper (course_lib/widgets/softmax_stepper.py)",
+                  anchor="Next tile",
+                  actions=(Action("button", "Next tile", 2), Action("slider", "Block size"),
+                           Action("button", "Reset"))),
+    WidgetChapter("04", "04_", "tiling simulator (course_lib/widgets/tiling.py)",
+                  anchor="Step",
+                  actions=(Action("button", "Step", 3), Action("slider", "BLOCK_M (B_r)"),
+                           Action("button", "Reset"))),
+]
+
+
+def chapter_notebook(prefix: str) -> Path | None:
+    found = sorted(NOTEBOOKS.glob(f"{prefix}*.ipynb"))
+    return found[0] if found else None
+
+
+def _widget_cases():
+    """One case per widget chapter whose learner notebook exists (see test_all_widget_chapters_exist)."""
+    for spec in WIDGET_CHAPTERS:
+        if chapter_notebook(spec.stem) is not None:
+            yield pytest.param(spec, id=f"ch{spec.chapter}",
+                               marks=getattr(pytest.mark, f"ch{spec.chapter}"))
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def lab():
+    """The course's JupyterLab (same command as `make lab`, no token, free loopback port)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with running_lab(LOGS / "jupyterlab.log") as (base, pid):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(bh.CHROMIUM), headless=True,
+                                      args=bh.CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()  # Playwright ends the process it started; sync_playwright's exit stops the driver
+
+
+@pytest.fixture
+def notebook_page(lab, browser):
+    """Open a notebook in a fresh page; afterwards stop its kernel, drop its workspace, close."""
+    context = browser.new_context(viewport=bh.VIEWPORT)
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    bh.block_saves(page)
+    opened = []
+
+    def open_(path: Path):
+        relpath = path.relative_to(ROOT).as_posix()
+        workspace = f"browser-test-{path.stem}"
+        before = path.read_bytes()
+        opened.append((relpath, workspace, path, before))
+        return bh.open_notebook(page, lab, relpath, workspace)
+
+    yield page, open_
+    try:
+        for relpath, workspace, _, _ in opened:
+            bh.shut_down_kernels(page, lab, relpath)
+            bh.delete_workspace(page, lab, workspace)
+    finally:
+        context.close()
+    for relpath, _, path, before in opened:
+        if path.read_bytes() != before:  # a save slipped through block_saves: put the file back
+            path.write_bytes(before)
+            pytest.fail(f"the browser wrote to {relpath}; restored it")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def assert_ran_cleanly(panel, name: str) -> None:
+    errors = bh.error_outputs(panel)
+    assert not errors, f"{name}: Run All Cells produced a traceback:\n" + "\n---\n".join(errors)
+    not_run = bh.unexecuted_cells(panel)
+    assert not not_run, (f"{name}: code cells {not_run} (0-based, code cells only) did not run; "
+                         "Run All stops at the first error")
+    widget_errors = bh.widget_error_texts(panel)
+    assert not widget_errors, f"{name}: the page shows widget errors: {widget_errors}"
+
+
+def do_action(page, output, action: Action) -> str:
+    """Perform ``action``; return a short description of what was done."""
+    if action.kind == "slider":
+        handle = bh.slider_handle(page, output, action.label)
+        handle.scroll_into_view_if_needed()
+        before = handle.get_attribute("aria-valuenow")
+        handle.focus()
+        for _ in range(action.times):
+            handle.press("ArrowRight")
+        after = handle.get_attribute("aria-valuenow")
+        assert after != before, f"ArrowRight did not move the slider {action.label!r} ({before})"
+        return f"slider {action.label!r} {before} -> {after}"
+    if action.kind == "button":
+        button = output.get_by_role("button", name=action.label, exact=True)
+        for _ in range(action.times):
+            button.click()
+        return f"clicked {action.label!r} ×{action.times}"
+    if action.kind == "dropdown":
+        select = output.locator(".widget-dropdown").filter(
+            has=page.locator(".widget-label", has_text=action.label)).locator("select")
+        options = select.locator("option").all_inner_texts()
+        current = select.evaluate("(s) => s.options[s.selectedIndex].text")
+        choice = options[(options.index(current) + 1) % len(options)]
+        select.select_option(label=choice)
+        return f"dropdown {action.label!r} {current!r} -> {choice!r}"
+    raise ValueError(f"unknown action kind {action.kind!r}")
+
+
+# --------------------------------------------------------------------------- tests
+
+@needs_chromium
+@pytest.mark.ch00
+def test_setup_chapter_runs_in_the_browser(notebook_page):
+    page, open_ = notebook_page
+    path = chapter_notebook("00_")
+    assert path is not None, "notebooks/00_*.ipynb is missing"
+    panel = open_(path)
+    seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    print(f"\nch00: Run All Cells took {seconds:.1f} s")
+    bh.screenshot_notebook(page, panel, SCREENSHOTS / "ch00_notebook.png")
+    assert_ran_cleanly(panel, path.name)
+    assert any("mode" in t.lower() for t in bh.output_texts(panel)), \
+        "runtime.setup() printed no mode line"
+    # Ctrl-S must not write the learner notebook (block_saves); the fixture checks the bytes
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1000)
+
+
+@needs_chromium
+@pytest.mark.parametrize("spec", list(_widget_cases()))
+def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
+    page, open_ = notebook_page
+    path = chapter_notebook(spec.stem)
+    panel = open_(path)
+    seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    print(f"\nch{spec.chapter} ({path.name}): Run All Cells took {seconds:.1f} s")
+    bh.screenshot_notebook(page, panel, SCREENSHOTS / f"ch{spec.chapter}_notebook.png")
+    assert_ran_cleanly(panel, path.name)
+
+    # the widget rendered: its controls and its figure are on the page
+    output = bh.widget_output(page, panel, spec.anchor)
+    output.scroll_into_view_if_needed()
+    output.wait_for(state="visible")
+    assert output.locator(".jupyter-widgets").first.is_visible(), f"{spec.what}: no widget"
+    img = bh.figure(output)
+    img.wait_for(state="visible", timeout=REDRAW_TIMEOUT_S * 1000)
+    info = bh.image_info(img)
+    assert info["complete"] and info["naturalWidth"] > 0, f"{spec.what}: the figure did not load"
+    assert info["width"] >= MIN_FIGURE_WIDTH_PX, (
+        f"{spec.what}: the figure is drawn {info['width']:.0f} px wide, too small to read "
+        f"(want ≥ {MIN_FIGURE_WIDTH_PX} px)")
+    spill = bh.overflow(output)
+    assert spill["overflow_px"] <= 0 and spill["scroll_overflow_px"] <= 0, (
+        f"{spec.what}: the widget sticks out of the notebook by {spill['overflow_px']} px "
+        f"({spill['element']}) on a {bh.VIEWPORT['width']}-px-wide screen")
+    unlabelled = bh.unlabelled_controls(output)
+    assert not unlabelled, f"{spec.what}: controls without a label: {unlabelled}"
+    output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget.png"))
+
+    # play with it: every action must redraw the figure
+    timings = []
+    for action in spec.actions:
+        old = bh.image_info(bh.figure(output))["src"]
+        start = time.monotonic()
+        done = do_action(page, output, action)
+        bh.wait_for_new_src(page, bh.figure(output), old, REDRAW_TIMEOUT_S)
+        timings.append((done, time.monotonic() - start))
+    for done, took in timings:
+        slow = "  <- slow" if took > SLOW_REDRAW_S else ""
+        print(f"ch{spec.chapter}: {done}: figure redrawn after {took:.2f} s{slow}")
+    page.wait_for_timeout(300)  # let the last PNG paint
+    output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget_after.png"))
+
+    # nothing broke while playing (a callback's traceback lands in the widget's output)
+    assert not bh.error_outputs(panel), f"{spec.what}: a traceback appeared after the interactions"
+    assert not bh.widget_error_texts(panel), f"{spec.what}: widget errors after the interactions"
+
+
+def test_all_widget_chapters_exist():
+    """Every widget chapter has its learner notebook (else its browser case is not collected)."""
+    missing = [f"notebooks/{s.stem}*.ipynb ({s.what})" for s in WIDGET_CHAPTERS
+               if chapter_notebook(s.stem) is None]
+    assert not missing, "widget chapters missing, so not tested in the browser: " + ", ".join(missing)

@@ -1,0 +1,287 @@
+"""Chapter 06: the teaching kernel with the library's pieces, and each exercise's check against
+a corpus of realistic wrong pieces (the mistake models of ch06 plus independent variants here).
+
+Every wrong piece must be rejected with a short diagnosis, naming the cause where the check
+knows it; stubs read as "not done yet"; crashes, wrong shapes, NaN and endless loops each get
+one clear message.
+"""
+
+import pytest
+
+from course_lib import runtime
+
+runtime.ensure_configured()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from course_lib.checks import ExerciseFailed  # noqa: E402
+from course_lib.exercises import ch05, ch06  # noqa: E402
+from course_lib.kernels.forward import LOG2_E  # noqa: E402
+
+pytestmark = pytest.mark.ch06
+
+INTERPRETED = runtime.current().interpreted
+DTYPES = [torch.float32, torch.float16] if INTERPRETED else [torch.float16, torch.bfloat16]
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _qkv(shape_q, n_k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    device = runtime.current().device
+    q = torch.randn(*shape_q, generator=gen).to(device=device, dtype=dtype)
+    k, v = (torch.randn(*shape_q[:-2], n_k, shape_q[-1], generator=gen).to(device=device, dtype=dtype)
+            for _ in range(2))
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------------------------
+# The teaching kernel with the library's pieces
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape_q, n_k, causal", [
+    ((77, 16), 77, False), ((2, 3, 45, 32), 93, True), ((1, 100, 16), 31, True),
+    ((2, 64, 64), 64, False), ((3, 17, 16), 130, False)])
+@pytest.mark.parametrize("pieces", [ch06.LIBRARY_PIECES, ch06.NATURAL_EXP_PIECES],
+                         ids=["exp2", "exp"])
+def test_teaching_kernel_matches_float64_reference(shape_q, n_k, causal, dtype, pieces):
+    q, k, v = _qkv(shape_q, n_k, dtype)
+    o, lse = ch06.forward(q, k, v, causal, pieces=pieces, blocks=(16, 32))
+    o_ref, lse_ref = ch06.reference(q, k, v, causal)
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == q.shape[:-1]
+    torch.testing.assert_close(o, o_ref, atol=ATOL[dtype], rtol=1e-2 if dtype != torch.float32 else 2e-4)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-4)
+
+
+def test_teaching_kernel_takes_strided_views_and_a_custom_scale():
+    q, k, v = _qkv((2, 40, 32), 50, DTYPES[0])
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # (2, 40, 32) with non-standard strides
+    o, lse = ch06.forward(q_t, k, v, False, 0.3, blocks=(16, 16))
+    o_ref, _ = ch06.reference(q, k, v, False, 0.3)
+    torch.testing.assert_close(o, o_ref, atol=ATOL[q.dtype], rtol=1e-2)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda q: ch06.forward(q, q[..., :16], q), ValueError, "share the head dim"),
+    (lambda q: ch06.forward(q[..., :24], q[..., :24], q[..., :24]), ValueError, "power-of-two head dim"),
+    (lambda q: ch06.forward(q, q, q, scale=-1.0), ValueError, "positive number"),
+    (lambda q: ch06.forward(q[0, 0], q, q), ValueError, "shapes do not match"),
+    (lambda q: ch06.forward(q.int(), q, q), TypeError, "float32, float16 or bfloat16"),
+    (lambda q: ch06.forward(q, q.half() if q.dtype != torch.float16 else q.float(), q), TypeError,
+     "share a dtype"),
+])
+def test_teaching_kernel_rejects_bad_input(call, error, message):
+    q, _, _ = _qkv((2, 24, 32), 24, DTYPES[0])
+    with pytest.raises(error, match=message):
+        call(q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks: passes and "not done yet"
+
+
+@triton.jit
+def update_stub(s, v, m_i, l_i, acc, scale):
+    raise NotImplementedError("Exercise 6.1: online softmax update")
+
+
+@triton.jit
+def finish_stub(acc, m_i, l_i):
+    raise NotImplementedError("Exercise 6.1: online softmax update")
+
+
+@pytest.mark.parametrize("check, pieces", [
+    (ch06.check_online_softmax, (ch06.update_tile, ch06.finish_rows)),
+    (ch06.check_ragged, (ch06.load_tile, ch06.mask_ragged)),
+    (ch06.check_causal, (ch06.mask_causal, ch06.kv_loop_end)),
+    (ch06.check_exp2, (ch06.update_tile_exp2, ch06.finish_rows_exp2)),
+], ids=["6.1", "6.2", "6.3", "6.4"])
+def test_library_pieces_pass(check, pieces, capsys):
+    assert check(*pieces) == pieces
+    assert "passed" in capsys.readouterr().out
+
+
+def test_stub_is_not_done_and_falls_back_to_the_library(capsys):
+    assert ch06.check_online_softmax(update_stub, finish_stub) == (ch06.update_tile, ch06.finish_rows)
+    assert "not done yet" in capsys.readouterr().out
+    # only half done: the finish is still a stub
+    assert ch06.check_online_softmax(ch06.update_tile, finish_stub) == (ch06.update_tile, ch06.finish_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The corpus of wrong answers
+
+
+def _rejected(check, pieces, *fragments):
+    with pytest.raises(ExerciseFailed) as info:
+        check(*pieces)
+    message = str(info.value)
+    assert message.startswith("✗ Exercise 6."), message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert len(message.splitlines()) <= 8, message
+    return message
+
+
+@pytest.mark.parametrize("cause", list(ch06.UPDATE_MISTAKES))
+def test_online_softmax_mistakes_are_named(cause):
+    _rejected(ch06.check_online_softmax, ch06.UPDATE_MISTAKES[cause], f"likely cause: {cause}")
+
+
+@pytest.mark.parametrize("cause", list(ch06.RAGGED_MISTAKES))
+def test_ragged_mistakes_are_named(cause):
+    _rejected(ch06.check_ragged, ch06.RAGGED_MISTAKES[cause], f"likely cause: {cause}")
+
+
+@pytest.mark.parametrize("cause", list(ch06.CAUSAL_MISTAKES))
+def test_causal_mistakes_are_named(cause):
+    _rejected(ch06.check_causal, ch06.CAUSAL_MISTAKES[cause], f"likely cause: {cause}")
+
+
+@pytest.mark.parametrize("cause", list(ch06.EXP2_MISTAKES))
+def test_exp2_mistakes_are_named(cause):
+    _rejected(ch06.check_exp2, ch06.EXP2_MISTAKES[cause], f"likely cause: {cause}")
+
+
+# Independent variants: written the way a learner might, not copied from the mistake models.
+
+@triton.jit
+def update_no_cast_before_dot(s, v, m_i, l_i, acc, scale):
+    s = s * scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)  # p is fp32
+
+
+@triton.jit
+def update_forgets_acc_rescale_differently(s, v, m_i, l_i, acc, scale):
+    m_new = tl.maximum(m_i, tl.max(s * scale, 1))
+    p = tl.exp(s * scale - m_new[:, None])
+    l_new = tl.exp(m_i - m_new) * l_i + tl.sum(p, 1)
+    acc += tl.dot(p.to(v.dtype), v)  # the old acc keeps its old max
+    return m_new, l_new, acc
+
+
+@triton.jit
+def update_wrong_sign(s, v, m_i, l_i, acc, scale):
+    s = s * scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_new - m_i)  # grows instead of shrinks: inf on the first tile
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def update_raises(s, v, m_i, l_i, acc, scale):
+    raise ValueError("learner's own bug")
+
+
+@triton.jit
+def update_returns_two(s, v, m_i, l_i, acc, scale):
+    return m_i, l_i
+
+
+@triton.jit
+def finish_transposed(acc, m_i, l_i):
+    return tl.trans(acc / l_i[:, None]), m_i + tl.log(l_i)
+
+
+@triton.jit
+def update_forever(s, v, m_i, l_i, acc, scale):
+    n = 0
+    while n < 1:
+        n = n * 2
+    return m_i, l_i, acc
+
+
+def test_missing_cast_before_dot_is_diagnosed():
+    if not INTERPRETED:
+        pytest.skip("fp32 cases run only in the interpreter; the GPU compiler reports it alike")
+    message = _rejected(ch06.check_online_softmax, (update_no_cast_before_dot, ch06.finish_rows),
+                        "same dtype", "p.to(v.dtype)")
+    assert "line" in message
+
+
+def test_acc_not_rescaled_written_differently_is_still_named():
+    _rejected(ch06.check_online_softmax, (update_forgets_acc_rescale_differently, ch06.finish_rows),
+              f"likely cause: {ch06.FORGOT_RESCALE_ACC}")
+
+
+def test_wrong_sign_correction_gives_a_nan_diagnosis():
+    _rejected(ch06.check_online_softmax, (update_wrong_sign, ch06.finish_rows), "NaN or inf",
+              "exp(m_old - m_new)")
+
+
+@pytest.mark.parametrize("update, finish, fragment", [
+    (update_raises, ch06.finish_rows, "learner's own bug"),
+    (update_returns_two, ch06.finish_rows, "failed on case 1"),
+    (ch06.update_tile, finish_transposed, "failed on case 1"),
+], ids=["raises", "returns-two", "wrong-shape"])
+def test_broken_learner_code_gets_one_short_message(update, finish, fragment):
+    _rejected(ch06.check_online_softmax, (update, finish), fragment)
+
+
+def test_endless_loop_is_stopped(monkeypatch):
+    monkeypatch.setattr(ch05, "KERNEL_TIME_LIMIT_S", 1)
+    _rejected(ch06.check_online_softmax, (update_forever, ch06.finish_rows), "stopped after 1 s")
+
+
+@triton.jit
+def load_unmasked(ptr, offs_rows, offs_d, stride_row, n_rows):
+    return tl.load(ptr + offs_rows[:, None] * stride_row + offs_d[None, :])
+
+
+@triton.jit
+def load_assumes_contiguous_rows(ptr, offs_rows, offs_d, stride_row, n_rows):
+    return tl.load(ptr + offs_rows[:, None] * 16 + offs_d[None, :],  # stride = d only if dense
+                   mask=offs_rows[:, None] < n_rows, other=0.0)
+
+
+@triton.jit
+def mask_ragged_uses_queries(s, offs_n, seq_len_k):
+    return tl.where(offs_n[:, None] < seq_len_k, s, float("-inf"))  # (BLOCK_N, 1): wrong axis
+
+
+@pytest.mark.parametrize("pieces, fragments", [
+    ((load_unmasked, ch06.mask_ragged), ("outside the inputs", "mask rows >= n_rows")),
+    ((load_assumes_contiguous_rows, ch06.mask_ragged), ("outside the inputs", "stride_row")),
+    ((ch06.load_tile, mask_ragged_uses_queries), ("failed on case 1",)),
+    ((ch06.load_tile, ch06._mask_ragged_to_zero), ("(not 0)",)),
+], ids=["no-load-mask", "stride-is-d", "mask-wrong-axis", "mask-to-zero"])
+def test_ragged_variants_are_rejected(pieces, fragments):
+    _rejected(ch06.check_ragged, pieces, *fragments)
+
+
+@triton.jit
+def kv_end_without_min(start_m, seq_len_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    if CAUSAL:
+        return start_m + BLOCK_M  # past seq_len_k for the late Q tiles: wasted, masked tiles
+    return seq_len_k
+
+
+def test_loop_that_visits_masked_tiles_is_rejected():
+    _rejected(ch06.check_causal, (ch06.mask_causal, ch06._kv_loop_end_always_all),
+              "visits 4 K/V tiles where 1 suffice")
+    _rejected(ch06.check_causal, (ch06.mask_causal, kv_end_without_min), "where", "suffice")
+
+
+def test_visited_tiles_counts_the_causal_triangle():
+    assert ch06.visited_tiles(ch06.kv_loop_end, 50, 50, True) == [1, 2, 3, 4]
+    assert ch06.visited_tiles(ch06.kv_loop_end, 50, 40, False) == [3, 3, 3, 3]
+    assert ch06.visited_tiles(ch06.kv_loop_end, 64, 20, True) == [1, 2, 2, 2]
+
+
+@triton.jit
+def update_exp2_scale_twice(s, v, m_i, l_i, acc, scale):
+    s = s * (scale * LOG2_E * LOG2_E)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+def test_exp2_with_log2e_folded_twice_is_rejected():
+    _rejected(ch06.check_exp2, (update_exp2_scale_twice, ch06.finish_rows_exp2), "wrong answer")

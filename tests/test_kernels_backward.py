@@ -1,0 +1,175 @@
+"""The Triton backward kernels and the autograd Function against float64 autograd (chapter 07)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from course_lib.reference import naive_attention_torch
+
+pytestmark = [pytest.mark.ch07]
+
+# ‖grad − ref‖ / ‖ref‖ budgets (measured ~3e-7 fp32, ~5e-4 fp16, ~3e-3 bf16; ~5-10x headroom).
+GRAD_REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+CPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _leaves(shapes, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def reference_grads(q, k, v, do, causal, scale=None):
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o, _ = naive_attention_torch(q64, k64, v64, causal=causal, scale=scale)
+    o.backward(do.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def check_grads(q, k, v, causal, scale=None, seed=0):
+    from course_lib import flash_attention
+
+    o = flash_attention(q, k, v, causal=causal, scale=scale)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=gen).to(device=o.device, dtype=o.dtype)
+    o.backward(do)
+    refs = reference_grads(q, k, v, do, causal, scale)
+    for name, x, ref in zip("qkv", (q, k, v), refs):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.dtype == x.dtype
+        err = rel_err(x.grad, ref)
+        assert err < GRAD_REL_TOL[x.dtype], (
+            f"d{name}: relative error {err:.2e} for q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"{q.dtype}, causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("lead, n_q, n_k, d, causal", [
+    ((2, 2), 37, 53, 16, False),
+    ((2,), 53, 37, 32, True),
+    ((), 100, 100, 64, True),
+    ((1, 2), 70, 45, 24, False),
+])
+def test_grads_match_reference(lead, n_q, n_k, d, causal, dtype, device):
+    q, k, v = _leaves([(*lead, n_q, d), (*lead, n_k, d), (*lead, n_k, d)], dtype, device)
+    check_grads(q, k, v, causal)
+
+
+@pytest.mark.parametrize("dkdv_blocks, dq_blocks", [((16, 32), (32, 16)), ((32, 16), (16, 16))])
+def test_backward_many_tiles(dkdv_blocks, dq_blocks, device):
+    """Small tiles in both backward kernels: diagonal band at the start of the dK/dV loop,
+    unmasked middle, ragged tail; N_q > N_k and N_q < N_k."""
+    from course_lib.kernels.backward import attention_backward
+    from course_lib.kernels.forward import attention_forward
+    from course_lib.kernels.tuning import Blocks
+
+    for n_q, n_k in ((75, 50), (50, 75)):
+        q, k, v = _leaves([(1, 2, n_q, 32), (1, 2, n_k, 32), (1, 2, n_k, 32)], torch.float32, device, n_q)
+        do = torch.randn(1, 2, n_q, 32).to(device)
+        for causal in (False, True):
+            o, lse = attention_forward(q.detach(), k.detach(), v.detach(), causal, 0.2)
+            grads = attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, causal, 0.2,
+                                       Blocks(*dkdv_blocks), Blocks(*dq_blocks))
+            for g, ref in zip(grads, reference_grads(q, k, v, do, causal, 0.2)):
+                assert rel_err(g, ref) < GRAD_REL_TOL[torch.float32]
+
+
+@settings(max_examples=4, deadline=None)
+@given(lead=st.sampled_from([(), (2,)]), n_q=st.integers(1, 70), n_k=st.integers(1, 70),
+       d=st.sampled_from([16, 24, 32]), causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_grads_random_shapes(lead, n_q, n_k, d, causal, seed):
+    from course_lib import runtime
+
+    q, k, v = _leaves([(*lead, n_q, d), (*lead, n_k, d), (*lead, n_k, d)], torch.float32,
+                      runtime.current().device, seed)
+    check_grads(q, k, v, causal, seed=seed)
+
+
+def test_grads_non_contiguous_and_leading_dims(device):
+    gen = torch.Generator().manual_seed(3)
+    base_q = torch.randn(2, 33, 3, 32, generator=gen).to(device).requires_grad_()
+    base_k = torch.randn(2, 3, 32, 47, generator=gen).to(device).requires_grad_()
+    v = torch.randn(2, 3, 47, 32, generator=gen).to(device).requires_grad_()
+    q = base_q.transpose(1, 2)  # (2, 3, 33, 32), non-contiguous
+    k = base_k.transpose(-1, -2)  # (2, 3, 47, 32), stride_d = 47
+    check_grads(q, k, v, causal=True)
+    # gradients flow back through the views to the leaves' own layout
+    assert base_q.grad.shape == base_q.shape and base_k.grad.shape == base_k.shape
+    # (N, d) inputs
+    q2, k2, v2 = _leaves([(29, 16), (31, 16), (31, 16)], torch.float32, device, 5)
+    check_grads(q2, k2, v2, causal=True)
+
+
+def test_sum_backward_just_works(device):
+    from course_lib import flash_attention
+
+    q, k, v = _leaves([(2, 19, 16)] * 3, torch.float32, device)
+    flash_attention(q, k, v, causal=True).sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_gradcheck_float64():
+    """torch.autograd.gradcheck in float64 (interpreter only: float64 is not a GPU kernel dtype).
+    fast_mode checks random projections of the Jacobian: a few dozen kernel calls, not thousands."""
+    from course_lib import flash_attention, runtime
+
+    if not runtime.current().interpreted:
+        pytest.skip("float64 runs only in the interpreter")
+    q, k, v = _leaves([(1, 2, 7, 16), (1, 2, 11, 16), (1, 2, 11, 16)], torch.float64, "cpu")
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=causal),
+                                        (q, k, v), fast_mode=True)
+
+
+def test_causal_keys_no_query_sees_get_zero_grad(device):
+    """With N_q < N_k and causal, keys j >= N_q are never attended: dK, dV there are exactly 0."""
+    q, k, v = _leaves([(1, 10, 16), (1, 40, 16), (1, 40, 16)], torch.float32, device)
+    from course_lib import flash_attention
+
+    flash_attention(q, k, v, causal=True).sum().backward()
+    assert (k.grad[:, 10:] == 0).all() and (v.grad[:, 10:] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n", [1000, 4096, 16384])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grads_gpu_large(dtype, d, n, causal):
+    heads = 2 if n <= 4096 else 1
+    q, k, v = _leaves([(1, heads, n, d)] * 3, dtype, "cuda", seed=n + d)
+    check_grads(q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_grads_gpu_ragged_and_odd_head_dims(dtype):
+    for lead, n_q, n_k, d, causal in [((2, 3), 1000, 777, 80, True), ((3,), 333, 2049, 96, True),
+                                      ((2, 2), 129, 129, 256, False), ((1, 4), 517, 517, 16, True)]:
+        q, k, v = _leaves([(*lead, n_q, d), (*lead, n_k, d), (*lead, n_k, d)], dtype, "cuda")
+        check_grads(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic_gpu():
+    from course_lib import flash_attention
+
+    q, k, v = _leaves([(2, 4, 2048, 64)] * 3, torch.bfloat16, "cuda")
+    do = torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        flash_attention(q, k, v, causal=True).backward(do)
+        grads.append([x.grad.clone() for x in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -1,0 +1,105 @@
+"""The tiling simulator, driven without a browser."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from course_lib import iomodel
+from course_lib.widgets.tiling import CURRENT, DONE, RESIDENT, SKIPPED, TODO, TilingSimulator
+
+pytestmark = pytest.mark.ch04
+
+STEP_TIME_LIMIT_S = 3.0  # generous: a step at 64 × 64 tiles takes ~0.1-0.3 s on a laptop CPU
+
+
+@pytest.fixture
+def sim():
+    return TilingSimulator(seq_len=200, block_m=48, block_n=32, head_dim=64, order="fa2",
+                           causal=False)
+
+
+def test_initial_state(sim):
+    assert sim.shape == (5, 7)
+    assert sim.position == 0 and sim.counts() == (0, 0, 0)
+    assert (sim.grid_image.get_array() == TODO).all()
+    assert sim.image.value[:4] == b"\x89PNG"
+
+
+def test_step_marks_current_then_done(sim):
+    sim.step()
+    grid = np.asarray(sim.grid_image.get_array())
+    assert grid[0, 0] == CURRENT and (grid.ravel()[1:] == TODO).all()
+    assert sim.resident_blocks() == (0, 0)
+    q_strip, kv_strip = sim.strip_states()
+    assert q_strip[0] == RESIDENT and kv_strip[0] == RESIDENT
+    sim.step()
+    grid = np.asarray(sim.grid_image.get_array())
+    assert grid[0, 0] == DONE and grid[0, 1] == CURRENT
+    reads, writes, flops = sim.counts()
+    assert reads == 48 * 64 + 2 * 32 * 2 * 64 and writes == 0 and flops > 0
+    assert sim.io_bars[0].get_width() == reads
+    assert "Step 2" in sim.status.value
+
+
+def test_step_button_play_and_reset(sim):
+    sim.step_button.click()
+    assert sim.position == 1
+    sim.play.value = 10
+    assert sim.position == 10
+    sim.reset_button.click()
+    assert sim.position == 0 and sim.play.value == 0
+
+
+def test_run_to_end_matches_the_formula(sim):
+    sim.play.value = sim.play.max
+    assert sim.done and sim.step_button.disabled
+    total = iomodel.fa2_io(200, 200, 64, 48, 32)
+    assert sim.counts() == (total.reads, total.writes, total.flops)
+    assert (sim.grid_state() == DONE).all()
+    sim.step()  # a step past the end does nothing
+    assert sim.done
+
+
+def test_every_control_changes_the_state(sim):
+    sim.seq_len.value = 264
+    assert sim.shape == (6, 9) and sim.position == 0
+    sim.block_m.value = 64
+    assert sim.shape == (5, 9)
+    sim.block_n.value = 64
+    assert sim.shape == (5, 5)
+    before = sim.total
+    sim.head_dim.value = 128
+    assert sim.total.reads > before.reads
+    sim.order.value = "fa1"
+    sim.step()
+    assert sim.resident_blocks() == (0, 0) and sim.counts()[1] > 0  # FA1 initialised o, l, m
+    assert sim.total == iomodel.fa1_io(264, 264, 128, 64, 64)
+    sim.causal.value = True
+    sim.play.value = sim.play.max
+    grid = sim.grid_state()
+    assert (grid == SKIPPED).sum() == iomodel.causal_skip_grid(264, 264, 64, 64).sum() > 0
+    assert sim.standard == iomodel.standard_io(264, 264, 128)
+
+
+def test_standard_attention_reference_marks(sim):
+    offsets = sim.ax_io.collections[0].get_offsets()
+    assert tuple(offsets[:, 0]) == (sim.standard.reads, sim.standard.writes)
+
+
+def test_step_is_fast_at_64_by_64_tiles():
+    sim = TilingSimulator(seq_len=1024, block_m=16, block_n=16)
+    assert sim.shape == (64, 64)
+    start = time.perf_counter()
+    steps = 5
+    for _ in range(steps):
+        sim.step()
+    per_step = (time.perf_counter() - start) / steps
+    print(f"one step at 64 x 64 tiles: {per_step * 1e3:.0f} ms")
+    assert per_step < STEP_TIME_LIMIT_S
+    start = time.perf_counter()
+    sim.play.value = 3000  # a jump replays 3000 events at once
+    print(f"jump to event 3000: {(time.perf_counter() - start) * 1e3:.0f} ms")
+    assert sim.position == 3000
