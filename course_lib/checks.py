@@ -118,16 +118,21 @@ def call_with_time_limit(fn: Callable, args: tuple, kwargs: dict, seconds: float
         signal.signal(signal.SIGALRM, previous)
 
 
-def first_bad_index(got: np.ndarray, want: np.ndarray, atol: float, rtol: float):
-    """Index of the first element outside tolerance (NaN counts as bad), or None."""
-    bad = ~np.isclose(got, want, atol=atol, rtol=rtol, equal_nan=False)
+def first_bad_index(got: np.ndarray, want: np.ndarray, atol: float, rtol: float,
+                    equal_nan: bool = False):
+    """Index of the first element outside tolerance (NaN counts as bad unless both are NaN and
+    ``equal_nan``), or None."""
+    bad = ~np.isclose(got, want, atol=atol, rtol=rtol, equal_nan=equal_nan)
     bad |= np.isnan(got) & ~np.isnan(want)
     idx = np.argwhere(bad)
     return tuple(int(i) for i in idx[0]) if len(idx) else None
 
 
-def compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
-    """None when ``got`` matches ``want`` (type, shape, dtype, values); else what is wrong."""
+def compare(got: Any, want: Any, atol: float, rtol: float, equal_nan: bool = False) -> str | None:
+    """None when ``got`` matches ``want`` (type, shape, dtype, values); else what is wrong.
+
+    ``equal_nan`` makes NaNs at the same places agree: used to recognise a known mistake that
+    itself produces NaN, never to accept an answer."""
     if got is None:
         return "the function returned None — did you forget a `return`?"
     if _is_tensor(want) and isinstance(got, np.ndarray):
@@ -138,7 +143,7 @@ def compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
         if not isinstance(got, (tuple, list)) or len(got) != len(want):
             return (f"expected a tuple of {len(want)} values, got {describe_value(got)}")
         for i, (g, w) in enumerate(zip(got, want)):
-            problem = compare(g, w, atol, rtol)
+            problem = compare(g, w, atol, rtol, equal_nan)
             if problem:
                 return f"output [{i}]: {problem}"
         return None
@@ -158,7 +163,7 @@ def compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
         kind = "NaN" if np.isnan(g[idx] if idx else g) else "inf"
         return (f"{int(nonfinite.sum())} value(s) are NaN/inf where the answer is finite; first at "
                 f"index {idx} ({kind}) — often exp() of a large number: subtract the max first")
-    idx = first_bad_index(g, w, atol, rtol)
+    idx = first_bad_index(g, w, atol, rtol, equal_nan)
     if idx is None:
         return None
     err = float(np.nanmax(np.abs(g - w))) if g.size else 0.0
@@ -176,7 +181,7 @@ def _default_tolerance(want: Any) -> tuple[float, float]:
 
 def _outputs_match(a: Any, b: Any, atol: float, rtol: float) -> bool:
     try:
-        return compare(a, b, atol, rtol) is None
+        return compare(a, b, atol, rtol, equal_nan=True) is None
     except Exception:  # a mistake model that cannot even be compared does not match
         return False
 

@@ -183,18 +183,28 @@ def widget_error_texts(panel) -> list[str]:
     return [e for e in WIDGET_ERROR_TEXTS if e.lower() in text.lower()]
 
 
+def _exactly(text: str) -> re.Pattern:
+    return re.compile(rf"^\s*{re.escape(text)}\s*$")
+
+
+def button(page, within, text: str):
+    """A widget button by its text (its accessible name also holds the icon's glyph, so
+    ``get_by_role(name=...)`` would not match it exactly)."""
+    return within.locator("button").filter(has_text=_exactly(text))
+
+
 def widget_output(page, panel, label: str):
     """The cell output area of the first displayed widget that has a control labelled ``label``
     (a slider's or dropdown's description, or a button's text)."""
-    control = page.locator(".widget-label", has_text=re.compile(rf"^\s*{re.escape(label)}\s*$")).or_(
-        page.get_by_role("button", name=label, exact=True))
+    control = page.locator(".widget-label", has_text=_exactly(label)).or_(
+        page.locator("button").filter(has_text=_exactly(label)))
     return panel.locator(".jp-Cell-outputArea").filter(has=control).first
 
 
 def slider_handle(page, output, label: str):
     """The keyboard-focusable handle of the slider whose description is ``label``."""
     slider = output.locator(".widget-slider").filter(
-        has=page.locator(".widget-label", has_text=re.compile(rf"^\s*{re.escape(label)}\s*$")))
+        has=page.locator(".widget-label", has_text=_exactly(label)))
     return slider.locator("[role=slider]").first
 
 

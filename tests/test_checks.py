@@ -139,3 +139,16 @@ def test_check_value_outcomes(capsys):
         check_value("Exercise 2.1", "1.25", 1.25)
     with pytest.raises(ExerciseFailed, match="expected a number"):
         check_value("Exercise 2.1", None, 1.25)
+
+
+def test_mistake_that_produces_nan_is_still_named():
+    def nan_rows(x):
+        out = ref(x)
+        out[0] = np.nan
+        return out
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", nan_rows, ref, cases(),
+                       mistakes={"query 0 sees no key (mask off by one)": nan_rows})
+    msg = str(info.value)
+    assert "NaN/inf where the answer is finite" in msg  # never accepted as right
+    assert "likely cause: query 0 sees no key" in msg

@@ -218,7 +218,7 @@ def test_wrong_sign_correction_gives_a_nan_diagnosis():
 @pytest.mark.parametrize("update, finish, fragment", [
     (update_raises, ch06.finish_rows, "learner's own bug"),
     (update_returns_two, ch06.finish_rows, "failed on case 1"),
-    (ch06.update_tile, finish_transposed, "failed on case 1"),
+    (ch06.update_tile, finish_transposed, "case 1"),  # a (d, BLOCK_M) tile: wrong or no fit
 ], ids=["raises", "returns-two", "wrong-shape"])
 def test_broken_learner_code_gets_one_short_message(update, finish, fragment):
     _rejected(ch06.check_online_softmax, (update, finish), fragment)
@@ -248,7 +248,7 @@ def mask_ragged_uses_queries(s, offs_n, seq_len_k):
 @pytest.mark.parametrize("pieces, fragments", [
     ((load_unmasked, ch06.mask_ragged), ("outside the inputs", "mask rows >= n_rows")),
     ((load_assumes_contiguous_rows, ch06.mask_ragged), ("outside the inputs", "stride_row")),
-    ((ch06.load_tile, mask_ragged_uses_queries), ("failed on case 1",)),
+    ((ch06.load_tile, mask_ragged_uses_queries), ("case 1",)),
     ((ch06.load_tile, ch06._mask_ragged_to_zero), ("(not 0)",)),
 ], ids=["no-load-mask", "stride-is-d", "mask-wrong-axis", "mask-to-zero"])
 def test_ragged_variants_are_rejected(pieces, fragments):

@@ -535,7 +535,7 @@ CAUSAL_OFF_BY_ONE = ("the causal mask is off by one: query i sees key j when j <
 CAUSAL_MISTAKES = {
     CAUSAL_OFF_BY_ONE: (_mask_causal_strict, kv_loop_end),
     "the causal mask is transposed: keep keys j <= i (the past), not j >= i":
-        (_mask_causal_transposed, _kv_loop_end_always_all),
+        (_mask_causal_transposed, kv_loop_end),
     "the K/V loop stops too early: the Q tile's last row start_m + BLOCK_M - 1 sees keys up to "
     "itself, so the loop must run to min(seq_len_k, start_m + BLOCK_M)":
         (mask_causal, _kv_loop_end_stops_at_diagonal),

@@ -93,9 +93,9 @@ class TilingSimulator:
         self.order = widgets.ToggleButtons(options=ORDERS, value=order, description="Loop order",
                                            style={"description_width": "80px"})
         self.causal = widgets.Checkbox(value=causal, description="Causal (skip hidden tiles)")
-        self.step_button = widgets.Button(description="Step", icon="step-forward",
+        self.step_button = widgets.Button(description="Step",
                                           button_style="primary")
-        self.reset_button = widgets.Button(description="Reset", icon="undo")
+        self.reset_button = widgets.Button(description="Reset")
         self.play = widgets.Play(value=0, min=0, max=1, step=1, interval=PLAY_INTERVAL_MS,
                                  description="Play", show_repeat=False)
         self.status = widgets.HTML()
