@@ -148,8 +148,12 @@ def machine_meta() -> dict:
 
 def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], causals=GRID["causal"],
              passes=PASSES, impls=IMPLS, tokens: int = TOKENS, model_dim: int = MODEL_DIM,
-             progress: bool = True) -> dict:
-    """Measure every (cell, pass, impl) on this GPU; return ``{"meta", "rows"}``."""
+             progress: bool = True, on_row=None) -> dict:
+    """Measure every (cell, pass, impl) on this GPU; return ``{"meta", "rows"}``.
+
+    ``on_row(data)``, if given, is called after each measurement with the results so far (the
+    command line uses it to save partial results).
+    """
     import torch
     from tqdm.auto import tqdm
 
@@ -157,12 +161,14 @@ def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], caus
         raise RuntimeError("run_grid needs a CUDA GPU; on CPU use load_recorded()")
     cells = [(dt, d, n, c, p, impl) for dt in dtypes for d in head_dims for n in seq_lens
              for c in causals for p in passes for impl in impls]
-    rows = []
+    data = {"meta": machine_meta(), "rows": []}
     for dt, d, n, c, p, impl in tqdm(cells, desc="benchmark", disable=not progress):
         row = measure(impl, dt, d, n, c, p, tokens, model_dim)
         if row is not None:
-            rows.append(row)
-    return {"meta": machine_meta(), "rows": rows}
+            data["rows"].append(row)
+            if on_row is not None:
+                on_row(data)
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,11 +327,14 @@ def main(argv=None) -> dict:
         if data is None:
             raise SystemExit(f"no results recorded for {args.show_recorded} at {recorded_path(args.show_recorded)}")
     else:
+        def save(data):
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(data, indent=1) + "\n")
+
         data = run_grid(args.dtype, args.head_dim, args.seq_len, args.causal, args.passes, args.impl,
-                        tokens=args.tokens)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
+                        tokens=args.tokens, on_row=save)
+        save(data)
     print(provenance(data))
     for pass_ in PASSES:
         if any(r["pass"] == pass_ for r in data["rows"]):

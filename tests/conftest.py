@@ -11,6 +11,14 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHAPTER_RE = re.compile(r"^(\d\d)_")
 
 
+def pytest_configure(config):
+    """Choose GPU or interpreter once, before any test module imports torch.optim, triton or a
+    kernel module (as every notebook's first cell does)."""
+    from course_lib import runtime
+
+    runtime.setup(verbose=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Give every nbval item its chapter marker (from the notebook's file name), so that
     ``pytest -m ch03`` runs chapter 03's unit tests *and* both versions of its notebook."""

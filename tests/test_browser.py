@@ -74,12 +74,12 @@ WIDGET_CHAPTERS = [
                            Action("dropdown", "GPU"))),
     WidgetChapter("03", "03_", "online-softmax stepper (course_lib/widgets/softmax_stepper.py)",
                   anchor="Next tile",
-                  actions=(Action("button", "Next tile", 2), Action("slider", "Block size"),
-                           Action("button", "Reset"))),
+                  actions=(Action("button", "Next tile", 2), Action("button", "Reset"),
+                           Action("slider", "Block size"))),
     WidgetChapter("04", "04_", "tiling simulator (course_lib/widgets/tiling.py)",
                   anchor="Step",
-                  actions=(Action("button", "Step", 3), Action("slider", "BLOCK_M (B_r)"),
-                           Action("button", "Reset"))),
+                  actions=(Action("button", "Step", 3), Action("button", "Reset"),
+                           Action("slider", "BLOCK_M (B_r)"))),
 ]
 
 

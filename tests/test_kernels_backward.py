@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from course_lib.reference import naive_attention_torch
@@ -17,8 +17,10 @@ CPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def rel_err(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖, read as an absolute error when ‖ref‖ < 1 (dQ is exactly 0 when a
+    row sees one key, for instance)."""
     out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((out - ref).norm() / ref.norm().clamp_min(1.0)).item()
 
 
 def _leaves(shapes, dtype, device, seed=0):
@@ -80,7 +82,7 @@ def test_backward_many_tiles(dkdv_blocks, dq_blocks, device):
                 assert rel_err(g, ref) < GRAD_REL_TOL[torch.float32]
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.generate])  # no shrinking: too slow here
 @given(lead=st.sampled_from([(), (2,)]), n_q=st.integers(1, 70), n_k=st.integers(1, 70),
        d=st.sampled_from([16, 24, 32]), causal=st.booleans(), seed=st.integers(0, 2**16))
 def test_grads_random_shapes(lead, n_q, n_k, d, causal, seed):

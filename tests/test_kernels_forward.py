@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from course_lib.reference import naive_attention_torch
@@ -76,7 +76,7 @@ def test_forward_many_tiles(block_m, block_n, n_q, n_k, device):
         assert (lse.double() - ref_lse).abs().max() < LSE_ABS_TOL[torch.float32]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.generate])  # no shrinking: too slow here
 @given(lead=st.sampled_from([(), (2,), (1, 2)]), n_q=st.integers(1, 80), n_k=st.integers(1, 80),
        d=st.sampled_from([16, 20, 32, 40, 64]), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))

@@ -54,33 +54,28 @@ shapes = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None)
-@given(shapes)
-def test_tiled_backward_matches_autograd_float64(c):
+def _check_tiled_against_autograd(c, dtype, tol):
     rng = np.random.default_rng(c["seed"])
-    q, k, v, do = make_inputs(rng, c["lead"], c["n_q"], c["n_k"], c["d"], c["d_v"])
+    q, k, v, do = make_inputs(rng, c["lead"], c["n_q"], c["n_k"], c["d"], c["d_v"], dtype)
     o, lse = forward(q, k, v, c["causal"])
-    got = course_lib.flash_attention_numpy_backward(q, k, v, o, lse, do, c["causal"],
+    got = course_lib.flash_attention_numpy_backward(q, k, v, o, lse.astype(dtype), do, c["causal"],
                                                     block_m=c["block_m"], block_n=c["block_n"])
     want = autograd_reference(q, k, v, do, c["causal"])
     for name, g, w, x in zip("qkv", got, want, (q, k, v)):
-        assert g.shape == x.shape and g.dtype == np.float64, name
-        np.testing.assert_allclose(g, w, **F64_TOL, err_msg=f"d{name}")
+        assert g.shape == x.shape and g.dtype == dtype, name
+        np.testing.assert_allclose(g, w, **tol, err_msg=f"d{name}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_tiled_backward_matches_autograd_float64(c):
+    _check_tiled_against_autograd(c, np.float64, F64_TOL)
 
 
 @settings(max_examples=25, deadline=None)
 @given(shapes)
 def test_tiled_backward_float32_close_to_float64_reference(c):
-    rng = np.random.default_rng(c["seed"])
-    q, k, v, do = make_inputs(rng, c["lead"], c["n_q"], c["n_k"], c["d"], c["d_v"], np.float32)
-    o, lse = forward(q, k, v, c["causal"])
-    got = course_lib.flash_attention_numpy_backward(q, k, v, o, lse.astype(np.float32), do,
-                                                    c["causal"], block_m=c["block_m"],
-                                                    block_n=c["block_n"])
-    want = autograd_reference(q, k, v, do, c["causal"])
-    for name, g, w in zip("qkv", got, want):
-        assert g.dtype == np.float32, name
-        np.testing.assert_allclose(g, w, **F32_TOL, err_msg=f"d{name}")
+    _check_tiled_against_autograd(c, np.float32, F32_TOL)
 
 
 @settings(max_examples=40, deadline=None)
@@ -127,6 +122,17 @@ def test_block_sizes_do_not_change_the_gradients():
         for a, b in zip(tb.flash_attention_numpy_backward(q, k, v, o, lse, do, True, None, bm, bn),
                         one_tile):
             np.testing.assert_allclose(a, b, **F64_TOL)
+
+
+def test_non_contiguous_inputs():
+    # (B, N, H, d) arrays viewed as (B, H, N, d), as attention heads usually are
+    rng = np.random.default_rng(8)
+    q, k, v, do = (np.swapaxes(x, 1, 2) for x in make_inputs(rng, (2, 17), 3, 3, 8, 6))
+    assert not q.flags.c_contiguous
+    o, lse = forward(q, k, v, True)
+    got = tb.flash_attention_numpy_backward(q, k, v, o, lse, do, True, None, 4, 8)
+    for g, w in zip(got, autograd_reference(q, k, v, do, True)):
+        np.testing.assert_allclose(g, w, **F64_TOL)
 
 
 def test_inputs_are_not_modified():

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from course_lib import checks, primer
+from course_lib import checks, primer, runtime
 from course_lib.checks import Case, ExerciseFailed
 
 # Inputs are surrounded by NaN: a NaN in the output then means the kernel read outside its
@@ -369,7 +369,7 @@ ADD_MISTAKES = {
 def check_add_kernel(kernel):
     """Check exercise 5.1; return the learner's kernel or, if not done, the library's."""
     return check_kernel("Exercise 5.1", kernel, add_runner(kernel), primer.vector_add_reference,
-                        _add_cases(primer._rt.device), fallback=primer.add_kernel,
+                        _add_cases(runtime.current().device), fallback=primer.add_kernel,
                         mistakes=ADD_MISTAKES)
 
 
@@ -433,5 +433,5 @@ SOFTMAX_MISTAKES = {
 def check_softmax_kernel(kernel):
     """Check exercise 5.2; return the learner's kernel or, if not done, the library's."""
     return check_kernel("Exercise 5.2", kernel, softmax_runner(kernel), primer.row_softmax_reference,
-                        _softmax_cases(primer._rt.device), fallback=primer.softmax_kernel,
+                        _softmax_cases(runtime.current().device), fallback=primer.softmax_kernel,
                         mistakes=SOFTMAX_MISTAKES)

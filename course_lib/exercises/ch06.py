@@ -29,6 +29,7 @@ plainer (no two-stage loop, no autotuning) so that it reads like the algorithm.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 
@@ -190,6 +191,11 @@ def flash_forward_kernel(
     tl.store(o_ptr + bh * stride_o_bh + offs_m[:, None] * stride_o_n + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])  # write BLOCK_M × HEAD_DIM
     tl.store(lse_ptr + bh * stride_lse_bh + offs_m, lse, mask=row_ok)  # write BLOCK_M
+
+
+def source(jit_fn) -> str:
+    """The Python source of a ``@triton.jit`` function (to read it in a notebook)."""
+    return inspect.getsource(getattr(jit_fn, "fn", jit_fn))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -293,6 +293,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     if interpreted:
         dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
         dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
+    elif not tuning.autotune_enabled():
+        dkdv_blocks = dkdv_blocks or tuning.gpu_default("dkdv", meta["HEAD_DIM"], qw.element_size())
+        dq_blocks = dq_blocks or tuning.gpu_default("dq", meta["HEAD_DIM"], qw.element_size())
     _launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh, dkdv_blocks,
             (qw, kw, vw, dow, lse, delta, dk, dv, *common, *dk.stride(), *scalars), meta)
     _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks,

@@ -197,6 +197,8 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
                 DOT_PRECISION=precision)
     if blocks is None and interpreted:
         blocks = tuning.INTERPRETER_FORWARD
+    elif blocks is None and not tuning.autotune_enabled():
+        blocks = tuning.gpu_default("forward", meta["HEAD_DIM"], qw.element_size())
     if blocks is not None:
         grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
         attention_forward_kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,

@@ -15,9 +15,14 @@ Two regimes, as chapter 06 explains:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import triton
+
+# Set COURSE_LIB_AUTOTUNE=0 to skip autotuning on the GPU and launch the fixed defaults below
+# (the GPU test suite does this: autotuning every shape it tries would take minutes).
+AUTOTUNE_ENV = "COURSE_LIB_AUTOTUNE"
 
 
 @dataclass(frozen=True)
@@ -34,27 +39,46 @@ class Blocks:
 INTERPRETER_FORWARD = Blocks(block_m=64, block_n=64)
 INTERPRETER_BACKWARD = Blocks(block_m=64, block_n=64)
 
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+
+
+def _small_tiles(head_dim: int, element_size: int) -> bool:
+    """fp32 tiles, or a head dim above 128, need smaller tiles to fit in shared memory."""
+    return element_size >= 4 or head_dim > 128
+
+
+def gpu_default(kernel: str, head_dim: int, element_size: int) -> Blocks:
+    """The fixed GPU config used when autotuning is off ("forward", "dkdv" or "dq")."""
+    small = _small_tiles(head_dim, element_size)
+    if kernel == "forward":
+        return Blocks(64, 32, 4, 2) if small else Blocks(128, 64, 4, 3)
+    if kernel == "dkdv":
+        return Blocks(32, 64, 4, 2) if small else Blocks(32, 128, 4, 3)
+    if kernel == "dq":
+        return Blocks(64, 32, 4, 2) if small else Blocks(128, 32, 4, 3)
+    raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
+
+
 # GPU candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 _FORWARD_CANDIDATES = [
     (128, 64, 4, 3),
     (128, 64, 8, 3),
     (128, 128, 8, 3),
-    (128, 128, 8, 2),
     (64, 64, 4, 3),
-    (64, 128, 4, 3),
 ]
 # Backward kernels: dK/dV programs own BLOCK_N keys and loop over BLOCK_M queries; dQ programs own
 # BLOCK_M queries and loop over BLOCK_N keys. The tile the program owns is the big one.
 _DKDV_CANDIDATES = [
     (32, 128, 4, 3),
     (64, 128, 8, 3),
-    (64, 128, 4, 2),
     (32, 64, 4, 3),
 ]
 _DQ_CANDIDATES = [
     (128, 32, 4, 3),
     (128, 64, 8, 3),
-    (128, 64, 4, 2),
     (64, 32, 4, 3),
 ]
 
@@ -77,13 +101,12 @@ def dq_configs() -> list[triton.Config]:
 
 
 def prune_for_head_dim(configs, named_args, **kwargs):
-    """Drop configs whose tiles cannot fit in shared memory / registers for a large head dim.
+    """Drop configs whose tiles cannot fit in shared memory / registers.
 
-    A (BLOCK_M, HEAD_DIM) accumulator in fp32 plus K and V tiles in flight: at HEAD_DIM=256 a
+    Q, K and V tiles in flight (num_stages copies of K and V): at HEAD_DIM=256, or in fp32, a
     128x128 tile pair overflows the 228 KB of shared memory per H100 SM, so keep tiles <= 64 there.
     """
-    head_dim = named_args["HEAD_DIM"]
-    if head_dim <= 128:
+    if not _small_tiles(named_args["HEAD_DIM"], named_args["Q"].element_size()):
         return configs
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
     # a config that always fits, in case every candidate above runs out of shared memory
