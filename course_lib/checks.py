@@ -47,8 +47,11 @@ class ExerciseFailed(AssertionError):
                 for i, line in enumerate(str(self).splitlines())]
 
 
-class _TimeLimit(Exception):
-    pass
+class TimeLimitExceeded(Exception):
+    """Raised inside a learner's function when :func:`call_with_time_limit` runs out of time."""
+
+
+_TimeLimit = TimeLimitExceeded  # short internal name
 
 
 @dataclass

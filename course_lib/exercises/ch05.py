@@ -307,7 +307,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         except Exception as exc:  # noqa: BLE001 - any learner error becomes a diagnosis
             chain = exception_chain(exc)
             for e in chain:  # a time limit hit inside the interpreter: let checks report it
-                if isinstance(e, checks._TimeLimit):
+                if isinstance(e, checks.TimeLimitExceeded):
                     raise e from None
             if is_not_done(exc):
                 raise NotImplementedError(exercise) from None
