@@ -90,11 +90,25 @@ def open_notebook(page, base: str, relpath: str, workspace: str):
     return panel
 
 
+def news_prompt(page):
+    """JupyterLab's "get notified about official Jupyter news?" toast (it covers plots)."""
+    return page.locator(".Toastify__toast").filter(has_text="Jupyter news")
+
+
+def hide_news_prompt_whenever_it_shows(page) -> None:
+    """Close the news toast before any click or key press it would get in the way of.
+
+    It is closed (×), not answered: "No" would be stored in the user's JupyterLab settings.
+    """
+    page.add_locator_handler(news_prompt(page),
+                             lambda toast: toast.get_by_title("Hide notification").click())
+
+
 def dismiss_news_prompt(page) -> None:
-    """Answer JupyterLab's "get notified about official Jupyter news?" toast (it covers plots)."""
-    toast = page.locator(".Toastify__toast").filter(has_text="Jupyter news")
+    """Close the news toast now if it is showing (before a screenshot)."""
+    toast = news_prompt(page)
     if toast.count():
-        toast.get_by_role("button", name="No", exact=True).click()
+        toast.get_by_title("Hide notification").click()
         toast.wait_for(state="detached", timeout=5_000)
 
 
@@ -250,6 +264,49 @@ def overflow(output) -> dict:
         worst.scroll_overflow_px = area.scrollWidth - area.clientWidth;
         return worst;
     }""")
+
+
+def truncated_texts(output) -> list[str]:
+    """Labels, buttons and read-outs whose text does not fit (cut off, often with an ellipsis)."""
+    return output.evaluate("""(area) => {
+        const cut = [];
+        for (const el of area.querySelectorAll(
+            '.widget-label, .widget-readout, button, .widget-toggle-button, .widget-label-basic')) {
+          if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1 && el.textContent.trim())
+            cut.push(`${el.textContent.trim()} (${el.clientWidth}px shown of ${el.scrollWidth}px)`);
+        }
+        return cut;
+    }""")
+
+
+def wait_until_still(page, img, quiet_s: float, timeout_s: float) -> float:
+    """Seconds until the figure last changed, once it has not changed for ``quiet_s``."""
+    start = time.monotonic()
+    last_src, last_change = None, start
+    while time.monotonic() - last_change < quiet_s:
+        try:
+            src = image_info(img)["src"]
+        except Exception:  # being replaced
+            src = None
+        if src != last_src:
+            last_src, last_change = src, time.monotonic()
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"the figure was still changing after {timeout_s} s")
+        page.wait_for_timeout(POLL_S * 1000)
+    return last_change - start
+
+
+def drag_slider(page, handle, distance_px: float, steps: int = 8) -> None:
+    """Drag a slider's handle to the right with the mouse, as a learner does."""
+    handle.scroll_into_view_if_needed()
+    box = handle.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    for i in range(1, steps + 1):
+        page.mouse.move(x + distance_px * i / steps, y)
+        page.wait_for_timeout(40)
+    page.mouse.up()
 
 
 def unlabelled_controls(output) -> list[str]:

@@ -8,8 +8,8 @@ and with no error text, moves a slider / presses Step or Next and checks that th
 
 Screenshots for a human to look at go to ``test-artifacts/screenshots/``:
 ``chNN_notebook.png`` (the whole notebook after Run All), ``chNN_widget.png`` (the widget as
-first drawn) and ``chNN_widget_after.png`` (after the interactions). The time each interaction
-took to redraw the figure is printed (``pytest -s -m browser`` shows it).
+first drawn) and ``chNN_widget_after_<k>_<action>.png`` (after each interaction). The time each
+interaction took to redraw the figure is printed (``pytest -s -m browser`` shows it).
 
 Needs Debian's Chromium at /usr/bin/chromium (``make test`` installs it); skips, saying so,
 without it. Run alone with ``pytest -m browser``.
@@ -17,6 +17,7 @@ without it. Run alone with ``pytest -m browser``.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ NOTEBOOKS = ROOT / "notebooks"
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
 LOGS = ROOT / "test-artifacts" / "logs"
 
+SLIDER_DRAG_PX = 80  # a short drag: a few positions on every slider of the course
 RUN_ALL_TIMEOUT_S = 240  # the Triton-interpreter chapters take tens of seconds on 2 CPU cores
 REDRAW_TIMEOUT_S = 20  # a control's change must reach the figure within this
 SLOW_REDRAW_S = 2.0  # slower than this is reported as a slow control (not a failure)
@@ -46,8 +48,8 @@ needs_chromium = pytest.mark.skipif(
 @dataclass(frozen=True)
 class Action:
     """One thing a learner does to a widget: ``kind`` is "slider" (press ArrowRight ``times``),
-    "button" (click ``times``) or "dropdown" (pick the next option); ``label`` is the control's
-    description or the button's text."""
+    "drag" (drag the slider's handle right with the mouse), "button" (click ``times``) or
+    "dropdown" (pick the next option); ``label`` is the control's description or the button's text."""
     kind: str
     label: str
     times: int = 1
@@ -66,12 +68,12 @@ WIDGET_CHAPTERS = [
     WidgetChapter("01", "01_", "memory-vs-N slider (course_lib/widgets/memory.py)",
                   anchor="sequence length N",
                   actions=(Action("slider", "sequence length N"), Action("slider", "heads H", 3),
-                           Action("dropdown", "GPU"))),
+                           Action("drag", "heads H"), Action("dropdown", "GPU"))),
     WidgetChapter("02", "02_", "arithmetic-intensity calculator and roofline "
                   "(course_lib/widgets/roofline.py)",
                   anchor="sequence length N",
                   actions=(Action("slider", "sequence length N"), Action("slider", "head dim d"),
-                           Action("dropdown", "GPU"))),
+                           Action("drag", "sequence length N"), Action("dropdown", "GPU"))),
     WidgetChapter("03", "03_", "online-softmax stepper (course_lib/widgets/softmax_stepper.py)",
                   anchor="Next tile",
                   actions=(Action("button", "Next tile", 2), Action("button", "Reset"),
@@ -79,7 +81,7 @@ WIDGET_CHAPTERS = [
     WidgetChapter("04", "04_", "tiling simulator (course_lib/widgets/tiling.py)",
                   anchor="Step",
                   actions=(Action("button", "Step", 3), Action("button", "Reset"),
-                           Action("slider", "BLOCK_M (B_r)"))),
+                           Action("slider", "BLOCK_M (B_r)"), Action("drag", "Sequence length N"))),
 ]
 
 
@@ -126,6 +128,7 @@ def notebook_page(lab, browser):
     page = context.new_page()
     page.set_default_timeout(30_000)
     bh.block_saves(page)
+    bh.hide_news_prompt_whenever_it_shows(page)
     opened = []
 
     def open_(path: Path):
@@ -150,6 +153,13 @@ def notebook_page(lab, browser):
 
 # --------------------------------------------------------------------------- helpers
 
+def clear_screenshots(chapter: str) -> None:
+    """Drop a chapter's screenshots from an earlier run, so none is left over from old actions."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in SCREENSHOTS.glob(f"ch{chapter}_*.png"):
+        old.unlink()
+
+
 def assert_ran_cleanly(panel, name: str) -> None:
     errors = bh.error_outputs(panel)
     assert not errors, f"{name}: Run All Cells produced a traceback:\n" + "\n---\n".join(errors)
@@ -170,6 +180,13 @@ def act_once(page, output, action: Action) -> str:
         after = handle.get_attribute("aria-valuetext") or handle.get_attribute("aria-valuenow")
         assert after != before, f"ArrowRight did not move the slider {action.label!r} ({before})"
         return f"slider {action.label!r} ArrowRight"
+    if action.kind == "drag":
+        handle = bh.slider_handle(page, output, action.label)
+        before = handle.get_attribute("aria-valuetext") or handle.get_attribute("aria-valuenow")
+        bh.drag_slider(page, handle, SLIDER_DRAG_PX)
+        after = handle.get_attribute("aria-valuetext") or handle.get_attribute("aria-valuenow")
+        assert after != before, f"dragging did not move the slider {action.label!r} ({before})"
+        return f"slider {action.label!r} dragged {SLIDER_DRAG_PX} px"
     if action.kind == "button":
         bh.button(page, output, action.label).click()
         return f"button {action.label!r} click"
@@ -192,9 +209,11 @@ def test_setup_chapter_runs_in_the_browser(notebook_page):
     page, open_ = notebook_page
     path = chapter_notebook("00_")
     assert path is not None, "notebooks/00_*.ipynb is missing"
+    clear_screenshots("00")
     panel = open_(path)
     seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
     print(f"\nch00: Run All Cells took {seconds:.1f} s")
+    bh.dismiss_news_prompt(page)
     bh.screenshot_notebook(page, panel, SCREENSHOTS / "ch00_notebook.png")
     assert_ran_cleanly(panel, path.name)
     assert any("mode" in t.lower() for t in bh.output_texts(panel)), \
@@ -209,10 +228,10 @@ def test_setup_chapter_runs_in_the_browser(notebook_page):
 def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
     page, open_ = notebook_page
     path = chapter_notebook(spec.stem)
+    clear_screenshots(spec.chapter)
     panel = open_(path)
     seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
     print(f"\nch{spec.chapter} ({path.name}): Run All Cells took {seconds:.1f} s")
-    bh.screenshot_notebook(page, panel, SCREENSHOTS / f"ch{spec.chapter}_notebook.png")
     assert_ran_cleanly(panel, path.name)
 
     # the widget rendered: its controls and its figure are on the page
@@ -224,36 +243,56 @@ def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
     img.wait_for(state="visible", timeout=REDRAW_TIMEOUT_S * 1000)
     info = bh.image_info(img)
     assert info["complete"] and info["naturalWidth"] > 0, f"{spec.what}: the figure did not load"
+    bh.dismiss_news_prompt(page)
     output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget.png"))
-    assert info["width"] >= MIN_FIGURE_WIDTH_PX, (
-        f"{spec.what}: the figure is drawn {info['width']:.0f} px wide, too small to read "
-        f"(want ≥ {MIN_FIGURE_WIDTH_PX} px)")
-    spill = bh.overflow(output)
-    assert spill["overflow_px"] <= 0 and spill["scroll_overflow_px"] <= 0, (
-        f"{spec.what}: the widget sticks out of the notebook by {spill['overflow_px']} px "
-        f"({spill['element']}) on a {bh.VIEWPORT['width']}-px-wide screen")
-    unlabelled = bh.unlabelled_controls(output)
-    assert not unlabelled, f"{spec.what}: controls without a label: {unlabelled}"
+    bh.screenshot_notebook(page, panel, SCREENSHOTS / f"ch{spec.chapter}_notebook.png")
+    output.scroll_into_view_if_needed()
 
-    # play with it: every key press, click or pick must redraw the figure
-    for action in spec.actions:
+    # readable on a laptop screen: nothing sticks out or is cut off, every control is labelled
+    # (checked here, asserted at the end so that the interactions run and are screenshotted too)
+    problems = []
+    if info["width"] < MIN_FIGURE_WIDTH_PX:
+        problems.append(f"the figure is drawn {info['width']:.0f} px wide, too small to read "
+                        f"(want ≥ {MIN_FIGURE_WIDTH_PX} px)")
+    spill = bh.overflow(output)
+    if spill["overflow_px"] > 0 or spill["scroll_overflow_px"] > 0:
+        problems.append(f"the widget sticks out of the notebook by {spill['overflow_px']} px "
+                        f"({spill['element']})")
+    cut = bh.truncated_texts(output)
+    if cut:
+        problems.append("text cut off: " + "; ".join(cut))
+    unlabelled = bh.unlabelled_controls(output)
+    if unlabelled:
+        problems.append(f"controls without a label: {unlabelled}")
+
+    # play with it: every key press, drag, click or pick must redraw the figure
+    for number, action in enumerate(spec.actions, start=1):
         for _ in range(action.times):
             old = bh.image_info(bh.figure(output))["src"]
             start = time.monotonic()
             done = act_once(page, output, action)
             try:
                 bh.wait_for_new_src(page, bh.figure(output), old, REDRAW_TIMEOUT_S)
+                first = time.monotonic() - start
+                # a drag may queue several redraws: time until the figure stops changing
+                settled = bh.wait_until_still(page, bh.figure(output), 0.8, REDRAW_TIMEOUT_S) \
+                    if action.kind == "drag" else 0.0
             except AssertionError as e:
                 raise AssertionError(f"{spec.what}: {done}: {e}") from None
-            took = time.monotonic() - start
+            took = first + settled
             slow = f"  <- slow (> {SLOW_REDRAW_S} s)" if took > SLOW_REDRAW_S else ""
             print(f"ch{spec.chapter}: {done}: figure redrawn after {took:.2f} s{slow}")
-    page.wait_for_timeout(300)  # let the last PNG paint
-    output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget_after.png"))
+        page.wait_for_timeout(200)  # let the PNG paint
+        bh.dismiss_news_prompt(page)
+        slug = re.sub(r"[^a-z0-9]+", "_", f"{action.kind} {action.label}".lower()).strip("_")
+        output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget_after_{number}_{slug}.png"))
 
     # nothing broke while playing (a callback's traceback lands in the widget's output)
     assert not bh.error_outputs(panel), f"{spec.what}: a traceback appeared after the interactions"
     assert not bh.widget_error_texts(panel), f"{spec.what}: widget errors after the interactions"
+    assert not problems, (f"{spec.what}, on a {bh.VIEWPORT['width']}×{bh.VIEWPORT['height']} screen "
+                          f"(see {SCREENSHOTS.relative_to(ROOT)}/ch{spec.chapter}_widget.png):\n  "
+                          + "\n  ".join(problems))
 
 
 def test_all_widget_chapters_exist():

@@ -106,7 +106,8 @@ def prune_for_head_dim(configs, named_args, **kwargs):
     Q, K and V tiles in flight (num_stages copies of K and V): at HEAD_DIM=256, or in fp32, a
     128x128 tile pair overflows the 228 KB of shared memory per H100 SM, so keep tiles <= 64 there.
     """
-    if not _small_tiles(named_args["HEAD_DIM"], named_args["Q"].element_size()):
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))  # constexprs arrive as kwargs
+    if not _small_tiles(head_dim, named_args["Q"].element_size()):
         return configs
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
     # a config that always fits, in case every candidate above runs out of shared memory
