@@ -12,9 +12,15 @@ in the browser cannot store its outputs in ``notebooks/``.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import tempfile
 import time
 import urllib.parse
+from contextlib import contextmanager
 from pathlib import Path
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -22,6 +28,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 VIEWPORT = {"width": 1400, "height": 1000}  # a laptop screen
+BROWSER_START_TIMEOUT_S = 30
 LAB_LOAD_TIMEOUT_MS = 90_000  # first JupyterLab load on a busy 2-core machine
 KERNEL_IDLE_TIMEOUT_S = 60  # kernel start after the notebook opened
 POLL_S = 0.05
@@ -32,7 +39,7 @@ WIDGET_ERROR_TEXTS = ("Error displaying widget", "Error rendering", "Model not f
 TRACEBACK_RE = re.compile(r"Traceback \(most recent call last\)|^\s*Cell In\[\d+\], line \d+", re.M)
 PROMPT_DONE_RE = re.compile(r"^\[\d+\]:$")
 
-# Status of every code cell, the kernel indicator, and the texts of all outputs, in one round trip.
+# Every code cell's prompt ("[3]:", "[*]:", "[ ]:") and the kernel indicator, in one round trip.
 _NOTEBOOK_STATE_JS = """
 (panel) => {
   const prompts = [...panel.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
@@ -41,6 +48,46 @@ _NOTEBOOK_STATE_JS = """
   return {prompts, status: indicator ? indicator.getAttribute('data-status') : null};
 }
 """
+
+
+@contextmanager
+def chromium_process(log_path: Path | None = None):
+    """Start headless Chromium ourselves (so we hold its PID); yield ``(cdp_url, pid)``; stop it by PID.
+
+    Playwright attaches to it with ``connect_over_cdp``. Chromium runs in its own session with a
+    throw-away profile; at the end its whole process group (renderers, GPU/zygote helpers) gets
+    SIGTERM, then SIGKILL if it lingers.
+    """
+    profile = Path(tempfile.mkdtemp(prefix="course-chromium-"))
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen(
+        [str(CHROMIUM), "--headless", "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
+         f"--user-data-dir={profile}", *CHROMIUM_ARGS, "about:blank"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        port_file = profile / "DevToolsActivePort"  # Chromium writes its port here once it listens
+        deadline = time.monotonic() + BROWSER_START_TIMEOUT_S
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"Chromium exited with code {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Chromium did not open its DevTools port in "
+                                   f"{BROWSER_START_TIMEOUT_S} s; see {log_path}")
+            time.sleep(0.1)
+        port = port_file.read_text().split()[0]
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        log.close()
+        shutil.rmtree(profile, ignore_errors=True)
 
 
 def block_saves(page) -> None:
@@ -197,29 +244,36 @@ def widget_error_texts(panel) -> list[str]:
     return [e for e in WIDGET_ERROR_TEXTS if e.lower() in text.lower()]
 
 
-def _exactly(text: str) -> re.Pattern:
+def exactly(text: str) -> re.Pattern:
+    """Match an element's whole text (``has_text`` alone matches substrings)."""
     return re.compile(rf"^\s*{re.escape(text)}\s*$")
 
 
 def button(page, within, text: str):
     """A widget button by its text (its accessible name also holds the icon's glyph, so
     ``get_by_role(name=...)`` would not match it exactly)."""
-    return within.locator("button").filter(has_text=_exactly(text))
+    return within.locator("button").filter(has_text=exactly(text))
 
 
 def widget_output(page, panel, label: str):
     """The cell output area of the first displayed widget that has a control labelled ``label``
     (a slider's or dropdown's description, or a button's text)."""
-    control = page.locator(".widget-label", has_text=_exactly(label)).or_(
-        page.locator("button").filter(has_text=_exactly(label)))
+    control = page.locator(".widget-label", has_text=exactly(label)).or_(
+        page.locator("button").filter(has_text=exactly(label)))
     return panel.locator(".jp-Cell-outputArea").filter(has=control).first
 
 
 def slider_handle(page, output, label: str):
     """The keyboard-focusable handle of the slider whose description is ``label``."""
     slider = output.locator(".widget-slider").filter(
-        has=page.locator(".widget-label", has_text=_exactly(label)))
+        has=page.locator(".widget-label", has_text=exactly(label)))
     return slider.locator("[role=slider]").first
+
+
+def dropdown(page, output, label: str):
+    """The ``<select>`` of the dropdown whose description is ``label``."""
+    return output.locator(".widget-dropdown").filter(
+        has=page.locator(".widget-label", has_text=exactly(label))).locator("select")
 
 
 def figure(output):
@@ -250,7 +304,8 @@ def wait_for_new_src(page, img, old_src: str, timeout_s: float) -> float:
 
 
 def overflow(output) -> dict:
-    """How far the widget sticks out of its output area, and the widest element that does."""
+    """How far the widget sticks out of its output area (px), the element that sticks out most,
+    and how far the area itself scrolls sideways."""
     return output.evaluate("""(area) => {
         const box = area.getBoundingClientRect();
         let worst = {overflow_px: 0, element: null};
