@@ -238,7 +238,7 @@ def check_function(
             got = call_with_time_limit(fn, case.args, kwargs, time_limit)
         except NotImplementedError:
             if not quiet:
-                print(f"⏳ {exercise}: not done yet — the notebook continues with the library's "
+                print(f"… {exercise}: not done yet — the notebook continues with the library's "
                       f"implementation. Fill in the exercise and re-run this cell.")
             return fallback
         except _TimeLimit:
@@ -267,7 +267,7 @@ def check_function(
                 break
         raise ExerciseFailed("\n".join(lines))
     if not quiet:
-        print(f"✅ {exercise}: passed ({len(cases)} case{'s' if len(cases) != 1 else ''}).")
+        print(f"✓ {exercise}: passed ({len(cases)} case{'s' if len(cases) != 1 else ''}).")
     return fn
 
 
@@ -282,7 +282,7 @@ def check_value(exercise: str, value: Any, expected: float, *, rtol: float = 1e-
         try:
             value = value()
         except NotImplementedError:
-            print(f"⏳ {exercise}: not done yet — expected value shown for reference: {expected:.6g}")
+            print(f"… {exercise}: not done yet — expected value shown for reference: {expected:.6g}")
             return expected
         except Exception as exc:
             raise ExerciseFailed(f"✗ {exercise}: your code raised {_short_error(exc)}") from None
@@ -297,5 +297,5 @@ def check_value(exercise: str, value: Any, expected: float, *, rtol: float = 1e-
         if hint:
             msg += f"\n  hint: {hint}"
         raise ExerciseFailed(msg)
-    print(f"✅ {exercise}: passed ({v:.6g}).")
+    print(f"✓ {exercise}: passed ({v:.6g}).")
     return v

@@ -44,11 +44,10 @@ class Runtime:
     def describe(self) -> str:
         """One line: mode, device and versions."""
         v = self.versions
-        versions = f"python {v['python']}, torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
+        versions = f"torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
         if self.on_gpu:
-            return f"Mode: GPU — Triton kernels run natively on {self.gpu_name} ({versions})"
-        return (f"Mode: CPU — no CUDA GPU, so Triton kernels run in its interpreter on CPU tensors "
-                f"at small sizes ({versions})")
+            return f"GPU mode: Triton kernels run natively on {self.gpu_name} · {versions}"
+        return f"CPU mode: no CUDA GPU, Triton runs in its interpreter (small sizes) · {versions}"
 
 
 _RUNTIME: Runtime | None = None

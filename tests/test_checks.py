@@ -26,7 +26,7 @@ def test_pass_prints_one_line_and_returns_learner_fn(capsys):
     fn = lambda x: ref(x)  # noqa: E731
     assert check_function("Exercise 9.9", fn, ref, cases()) is fn
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["✅ Exercise 9.9: passed (2 cases)."]
+    assert out == ["✓ Exercise 9.9: passed (2 cases)."]
 
 
 def test_not_done_prints_one_line_and_returns_fallback(capsys):

@@ -13,8 +13,8 @@ from course_lib.exercises import ch08
 pytestmark = pytest.mark.ch08
 
 CHECKS = {
-    "8.1": (ch08.check_combine_splits, ch08.COMBINE_MISTAKES, decoding.combine_splits),
-    "8.2": (ch08.check_kv_cache_bytes, ch08.CACHE_MISTAKES, ch08.cache_bytes_reference),
+    "8.1": (ch08.check_kv_cache_bytes, ch08.CACHE_MISTAKES, ch08.cache_bytes_reference),
+    "8.2": (ch08.check_combine_splits, ch08.COMBINE_MISTAKES, decoding.combine_splits),
     "8.3": (ch08.check_kv_head_for, ch08.HEAD_MISTAKES, ch08.head_reference),
 }
 
@@ -55,5 +55,5 @@ def test_crash_and_wrong_type_are_diagnosed():
         ch08.check_combine_splits(lambda m, l, o: o[5])
     with pytest.raises(ExerciseFailed, match="returned None"):
         ch08.check_kv_head_for(lambda h, n_heads, n_kv_heads: None)
-    with pytest.raises(ExerciseFailed, match="8.2"):
+    with pytest.raises(ExerciseFailed, match="Exercise 8.1"):
         ch08.check_kv_cache_bytes(lambda *a: 0)

@@ -53,7 +53,7 @@ print(json.dumps({"mode": rt.mode, "device": rt.device, "env": os.environ["TRITO
                   "knob": bool(triton.knobs.runtime.interpret), "err": err, "sizes": rt.sizes}))
 """
     lines = _run_fresh(code, {"TRITON_INTERPRET": "0"}).strip().splitlines()
-    assert lines[0].startswith("Mode: CPU"), lines[0]  # the one printed line
+    assert lines[0].startswith("CPU mode"), lines[0]  # the one printed line
     info = json.loads(lines[-1])
     assert info["mode"] == "interpreter" and info["device"] == "cpu"
     assert info["env"] == "1" and info["knob"] is True
@@ -68,7 +68,7 @@ def test_gpu_branch_describes_native_mode(monkeypatch):
                          versions={"python": "3.12", "torch": "2.11", "triton": "3.6", "numpy": "2.4"},
                          sizes=runtime._DEFAULT_SIZES[runtime.GPU])
     line = rt.describe()
-    assert line.startswith("Mode: GPU") and "H100" in line and "triton 3.6" in line
+    assert line.startswith("GPU mode") and "H100" in line and "triton 3.6" in line
     assert rt.on_gpu and not rt.interpreted
 
 
@@ -100,3 +100,4 @@ def test_setup_prints_exactly_one_line(capsys):
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) == 1
     assert "torch" in out and "triton" in out and "numpy" in out
+    assert len(out.strip()) <= 120  # fits one line of a notebook output without wrapping

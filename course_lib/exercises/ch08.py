@@ -1,5 +1,5 @@
-"""Checks for chapter 08 (beyond): exercise 8.1, combining split-KV partial results; 8.2, the
-KV-cache size; 8.3, the GQA head mapping.
+"""Checks for chapter 08 (beyond): exercise 8.1, the KV-cache size; 8.2, combining the partial
+results of split-KV decoding; 8.3, the GQA head mapping (numbered in the notebook's order).
 
 Each check runs the learner's function on prepared cases and compares with
 :mod:`course_lib.decoding`. When the answer is wrong, the known mistakes below are replayed on
@@ -16,7 +16,7 @@ from course_lib import decoding
 from course_lib.checks import Case, check_function
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 8.1: combine_splits(m, l, o) -> o, the output of split-KV decoding
+# Exercise 8.2: combine_splits(m, l, o) -> o, the output of split-KV decoding
 # ----------------------------------------------------------------------------------------------
 
 def _weighted(weights, o, denominator):
@@ -104,14 +104,14 @@ def _combine_cases() -> list[Case]:
 
 
 def check_combine_splits(fn):
-    """Check exercise 8.1, ``combine_splits(m, l, o) -> o`` with ``m, l (S, ...)``,
+    """Check exercise 8.2, ``combine_splits(m, l, o) -> o`` with ``m, l (S, ...)``,
     ``o (S, ..., d)``; return the function to continue with."""
-    return check_function("Exercise 8.1", fn, reference=decoding.combine_splits,
+    return check_function("Exercise 8.2", fn, reference=decoding.combine_splits,
                           cases=_combine_cases(), mistakes=COMBINE_MISTAKES)
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 8.2: kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len, batch, bytes)
+# Exercise 8.1: kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len, batch, bytes)
 # ----------------------------------------------------------------------------------------------
 
 def cache_bytes_reference(layers, n_heads, n_kv_heads, head_dim, seq_len, batch,
@@ -154,9 +154,9 @@ def _cache_cases() -> list[Case]:
 
 
 def check_kv_cache_bytes(fn):
-    """Check exercise 8.2, ``kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len,
+    """Check exercise 8.1, ``kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len,
     batch, bytes_per_element) -> int``; return the function to continue with."""
-    return check_function("Exercise 8.2", fn, reference=cache_bytes_reference,
+    return check_function("Exercise 8.1", fn, reference=cache_bytes_reference,
                           cases=_cache_cases(), mistakes=CACHE_MISTAKES, tolerance=(0.5, 0.0))
 
 
