@@ -136,7 +136,8 @@ class ModelShape:
         """Query heads per K/V head (1 = MHA, ``n_heads`` = MQA)."""
         return self.n_heads // self.n_kv_heads
 
-    def kv_bytes(self, seq_len: int, batch: int = 1, dtype="float16", kv_heads: int | None = None) -> int:
+    def kv_bytes(self, seq_len: int, batch: int = 1, dtype="float16",
+                 kv_heads: int | None = None) -> int:
         """KV-cache bytes of this model (optionally with a different number of K/V heads)."""
         return kv_cache_bytes(seq_len, layers=self.layers, kv_heads=kv_heads or self.n_kv_heads,
                               head_dim=self.head_dim, batch=batch, dtype=dtype)
@@ -342,7 +343,7 @@ def split_kv_partials(q, k, v, splits, scale: float | None = None):
     group = _check_gqa(q, k, v, q_extra_dims=0)
     scale = _check_scale(scale, q.shape[-1])
     n, d_v = k.shape[-2], v.shape[-1]
-    q_rows = _group_queries(q, group, q.ndim - 2)  # (..., H_kv, G, d): the G heads sharing a K/V head
+    q_rows = _group_queries(q, group, q.ndim - 2)  # (..., H_kv, G, d): G heads share a K/V head
     ms, ls, os_ = [], [], []
     for start, stop in split_bounds(n, splits):
         k_chunk = k[..., start:stop, :]  # (..., H_kv, n_s, d) a view: nothing copied
@@ -383,7 +384,7 @@ def merge_splits(m, l, o):
 def combine_splits(m, l, o):
     """The final output of split-KV decoding from the chunks' states: ``(..., d_v)``.
 
-    ``o = Σ_s l_s e^{m_s − m} o_s / Σ_s l_s e^{m_s − m}`` with ``m = max_s m_s`` (exercise 8.1).
+    ``o = Σ_s l_s e^{m_s − m} o_s / Σ_s l_s e^{m_s − m}`` with ``m = max_s m_s`` (exercise 8.2).
     """
     return merge_splits(m, l, o)[2]
 
@@ -450,7 +451,7 @@ def kv_head_index(h, n_heads: int, n_kv_heads: int):
 
 
 def repeat_kv(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """The naive GQA: copy each K/V head ``group`` times, ``(..., H_kv, N, d)`` → ``(..., H, N, d)``.
+    """The naive GQA: repeat each K/V head ``group`` times (``H_kv`` heads → ``H`` heads).
 
     Correct and simple, but it allocates ``group`` times the cache — what the fast path avoids.
     """

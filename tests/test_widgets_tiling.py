@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from course_lib import iomodel
-from course_lib.widgets.tiling import CURRENT, DONE, RESIDENT, SKIPPED, TODO, TilingSimulator
+from course_lib.widgets.tiling import (CURRENT, DONE, LABEL_WIDTH, ORDERS, RESIDENT, SKIPPED, TODO,
+                                      TilingSimulator)
 
 pytestmark = pytest.mark.ch04
 
@@ -85,8 +86,31 @@ def test_every_control_changes_the_state(sim):
 
 
 def test_standard_attention_reference_marks(sim):
-    offsets = sim.ax_io.collections[0].get_offsets()
-    assert tuple(offsets[:, 0]) == (sim.standard.reads, sim.standard.writes)
+    segments = sim.standard_marks.get_segments()  # one vertical tick per row
+    assert [seg[0, 0] for seg in segments] == [sim.standard.reads, sim.standard.writes]
+    assert all(seg[0, 0] == seg[1, 0] for seg in segments)
+    # the legend shows a small tick for it, not the plotted artist (which drew a giant marker)
+    assert "standard attention total" in [t.get_text() for t in sim.ax_io.get_legend().get_texts()]
+
+
+def test_traffic_bars_are_linear_so_progress_reads_honestly(sim):
+    assert sim.ax_io.get_xscale() == "linear"
+    assert sim.ax_io.get_xlim()[0] == 0
+    assert sim.io_bars[0].get_width() == 0  # nothing read yet: an empty bar, not a stand-in 1
+    sim.play.value = 10
+    reads = sim.counts()[0]
+    share = sim.io_bars[0].get_width() / sim.ax_io.get_xlim()[1]
+    assert share == pytest.approx(reads / (1.08 * max(sim.standard.reads, sim.total.reads)))
+    assert sim.io_texts[0].get_text().startswith(f"{reads / 1e3:.3g} k of ")
+
+
+def test_labelled_controls_share_one_label_width_and_fit(sim):
+    labelled = [sim.seq_len, sim.block_m, sim.block_n, sim.head_dim, sim.order]
+    assert {c.style.description_width for c in labelled} == {LABEL_WIDTH}
+    # the longest description at ~7.5 px a character (13 px sans-serif) fits its label
+    longest = max(len(c.description) for c in labelled)
+    assert longest * 7.5 < int(LABEL_WIDTH.removesuffix("px"))
+    assert all(len(label) <= 16 for label, _ in ORDERS)  # loop-order buttons: no ellipsis
 
 
 def test_step_is_fast_at_64_by_64_tiles():

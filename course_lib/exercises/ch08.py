@@ -93,7 +93,8 @@ def _combine_cases() -> list[Case]:
     big = _partials(rng, (3,), 40, 4)
     big = (big[0] + 1000.0, big[1], big[2])  # every score shifted by 1000: exp(m) overflows
     return [
-        Case(_partials(rng, (2, 3), 29, 4), label="4 uneven chunks of 29 keys, leading dims (2, 3)"),
+        Case(_partials(rng, (2, 3), 29, 4),
+             label="4 uneven chunks of 29 keys, leading dims (2, 3)"),
         Case(_partials(rng, (4,), 23, [1, 9, 2, 11]), label="chunks of 1, 9, 2 and 11 keys"),
         Case(_partials(rng, (2,), 5, 7),
              label="7 chunks for 5 keys: two chunks are empty (m = -inf, l = 0, o = 0)"),

@@ -10,7 +10,8 @@ The figure shows
   tiles skipped by the causal mask (dark grey), tiles not reached yet (light grey); the strips on
   its left and top show which Q block and which K/V block are resident in SRAM;
 * right — HBM reads and writes so far (solid bars) against the run's total (pale bars) and
-  against standard attention at the same size (black ticks), log scale;
+  against standard attention at the same size (black ticks), on a linear scale so that a bar's
+  length is its share of the total, each with its numbers written above it;
 
 and a line of text gives the step and the counters, FLOPs included.
 
@@ -35,20 +36,30 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
-from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from course_lib import iomodel
 
 FIGSIZE = (9.0, 4.5)  # inches
 DPI = 100
-PLAY_INTERVAL_MS = 250
-MAX_TICKS = 8  # per axis  # one tile every quarter second when playing
+PLAY_INTERVAL_MS = 250  # one tile every quarter second when playing
+MAX_TICKS = 8  # per axis
+IO_MAX_TICKS = 5  # on the traffic panel's count axis
+IO_HEADROOM = 1.08  # the traffic axis ends a little past the largest bar or tick
+BAR_HEIGHT = 0.45  # of the traffic bars, rows one apart
+LABEL_WIDTH = "150px"  # one description width for every labelled control: the tracks line up
+CONTROL_WIDTH = "430px"  # label, track and read-out of one control; two fit side by side
+BUTTON_WIDTH = "130px"  # of the loop-order buttons: their labels fit
 
 # Slider ranges: the largest grid is MAX_SEQ_LEN / MIN_BLOCK = 64 tiles per side.
 MIN_SEQ_LEN, MAX_SEQ_LEN, SEQ_LEN_STEP = 16, 1024, 8
 MIN_BLOCK, MAX_BLOCK, BLOCK_STEP = 16, 256, 8
 HEAD_DIMS = (32, 64, 128)
-ORDERS = (("FA2: outer Q, inner K/V", "fa2"), ("FA1: outer K/V, inner Q", "fa1"))
+ORDERS = (("FA2 (outer Q)", "fa2"), ("FA1 (outer K/V)", "fa1"))  # (label, value)
+ORDER_TOOLTIPS = ("FA2: outer loop over Q tiles, inner loop over K/V tiles",
+                  "FA1: outer loop over K/V tiles, inner loop over Q tiles")
 
 # Tile states, the values of the grid array (and indices into the colour map).
 TODO, DONE, SKIPPED, CURRENT = 0, 1, 2, 3
@@ -78,20 +89,27 @@ class TilingSimulator:
 
     def __init__(self, seq_len: int = 200, block_m: int = 64, block_n: int = 32,
                  head_dim: int = 64, order: str = "fa2", causal: bool = False):
-        style = {"description_width": "120px"}
+        style = {"description_width": LABEL_WIDTH}
         self.seq_len = widgets.IntSlider(value=seq_len, min=MIN_SEQ_LEN, max=MAX_SEQ_LEN,
                                          step=SEQ_LEN_STEP, description="Sequence length N",
-                                         continuous_update=False, style=style)
+                                         continuous_update=False, style=style,
+                                         layout=widgets.Layout(width=CONTROL_WIDTH))
         self.block_m = widgets.IntSlider(value=block_m, min=MIN_BLOCK, max=MAX_BLOCK,
                                          step=BLOCK_STEP, description="BLOCK_M (B_r)",
-                                         continuous_update=False, style=style)
+                                         continuous_update=False, style=style,
+                                         layout=widgets.Layout(width=CONTROL_WIDTH))
         self.block_n = widgets.IntSlider(value=block_n, min=MIN_BLOCK, max=MAX_BLOCK,
                                          step=BLOCK_STEP, description="BLOCK_N (B_c)",
-                                         continuous_update=False, style=style)
+                                         continuous_update=False, style=style,
+                                         layout=widgets.Layout(width=CONTROL_WIDTH))
         self.head_dim = widgets.Dropdown(options=HEAD_DIMS, value=head_dim,
-                                         description="Head dim d", style=style)
+                                         description="Head dim d", style=style,
+                                         layout=widgets.Layout(width=CONTROL_WIDTH))
         self.order = widgets.ToggleButtons(options=ORDERS, value=order, description="Loop order",
-                                           style={"description_width": "80px"})
+                                           tooltips=ORDER_TOOLTIPS,
+                                           style={"description_width": LABEL_WIDTH,
+                                                  "button_width": BUTTON_WIDTH},
+                                           layout=widgets.Layout(width=CONTROL_WIDTH))
         self.causal = widgets.Checkbox(value=causal, description="Causal (skip hidden tiles)")
         self.step_button = widgets.Button(description="Step",
                                           button_style="primary")
@@ -267,24 +285,35 @@ class TilingSimulator:
         self.ax_kv.set_title("score tiles: in SRAM now (orange), done (blue), skipped (dark), "
                              "to do (light)", fontsize=9)
 
-        labels = ["HBM reads", "HBM writes"]
-        y = np.arange(len(labels))
+        # Linear scale: a bar's length is its share, so 11 k of 1.45 M reads looks like 1%.
+        y = np.arange(2)  # row 0 (reads) at the top: the axis is inverted
         total = (self.total.reads, self.total.writes)
         standard = (self.standard.reads, self.standard.writes)
-        self.ax_io.barh(y, total, color="tab:blue", alpha=0.25, label=f"{self._algo_name()} total")
-        self.io_bars = self.ax_io.barh(y, [1, 1], color="tab:blue",
-                                       label=f"{self._algo_name()} so far")
-        self.ax_io.scatter(standard, y, marker="|", s=900, color="black", linewidths=2.5,
-                           label="standard attention", zorder=3)
-        self.ax_io.set_yticks(y, labels)
-        self.ax_io.set_xscale("log")
-        self.ax_io.xaxis.set_major_locator(LogLocator(numticks=MAX_TICKS))
-        self.ax_io.xaxis.set_minor_locator(NullLocator())
-        self.ax_io.set_xlim(1, 3 * max(max(total), max(standard)))
-        self.ax_io.set_xlabel("elements (log scale)")
+        algo = self._algo_name()
+        self.ax_io.barh(y, total, BAR_HEIGHT, color="tab:blue", alpha=0.25)
+        self.io_bars = self.ax_io.barh(y, [0, 0], BAR_HEIGHT, color="tab:blue")
+        self.standard_marks = self.ax_io.vlines(standard, y - 0.7 * BAR_HEIGHT,
+                                                y + 0.7 * BAR_HEIGHT, color="black",
+                                                linewidth=2.5, zorder=3)
+        # the numbers above each bar: "<so far> of <total>; standard attention <its total>"
+        self.io_texts = [self.ax_io.annotate("", (0, row - BAR_HEIGHT / 2), xytext=(4, 3),
+                                             textcoords="offset points", fontsize=8,
+                                             va="bottom", ha="left") for row in y]
+        self.ax_io.set_yticks(y, ["HBM\nreads", "HBM\nwrites"])
+        self.ax_io.set_ylim(len(y) - 0.5, -0.8)  # inverted, with room above row 0 for its text
+        self.ax_io.set_xlim(0, IO_HEADROOM * max(*total, *standard))
+        self.ax_io.xaxis.set_major_locator(MaxNLocator(IO_MAX_TICKS))
+        self.ax_io.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _fmt(x)))
+        self.ax_io.set_xlabel("elements moved (linear scale)")
         self.ax_io.set_title(f"HBM traffic, N = {self.seq_len.value}, d = {self.head_dim.value}",
                              fontsize=9)
-        self.ax_io.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), fontsize=8, ncol=2)
+        # legend from proxies: the ticks' own artists would draw a giant marker in the legend
+        handles = [Patch(color="tab:blue", label=f"{algo} so far"),
+                   Patch(color="tab:blue", alpha=0.25, label=f"{algo} total"),
+                   Line2D([], [], color="black", marker="|", linestyle="none", markersize=10,
+                          markeredgewidth=2.5, label="standard attention total")]
+        self.ax_io.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                          fontsize=8, ncol=2, frameon=False)
 
     def _algo_name(self) -> str:
         return self.order.value.upper()
@@ -319,8 +348,12 @@ class TilingSimulator:
         self.q_image.set_data(q_strip[:, None])
         self.kv_image.set_data(kv_strip[None, :])
         reads, writes, _ = self.counts()
-        for bar, value in zip(self.io_bars, (reads, writes)):
-            bar.set_width(max(value, 1))  # log axis: 1 stands for "nothing yet"
+        totals = (self.total.reads, self.total.writes)
+        standard = (self.standard.reads, self.standard.writes)
+        for bar, text, so_far, total, std in zip(self.io_bars, self.io_texts, (reads, writes),
+                                                 totals, standard):
+            bar.set_width(so_far)
+            text.set_text(f"{_fmt(so_far)} of {_fmt(total)}  (standard attention: {_fmt(std)})")
         self._render()
 
     def _render(self) -> None:
