@@ -82,6 +82,10 @@ WIDGET_CHAPTERS = [
                   anchor="Step",
                   actions=(Action("button", "Step", 3), Action("button", "Reset"),
                            Action("slider", "BLOCK_M (B_r)"), Action("drag", "Sequence length N"))),
+    WidgetChapter("08", "08_", "KV-cache memory calculator (course_lib/widgets/kvcache.py)",
+                  anchor="Context length N",
+                  actions=(Action("slider", "Context length N"), Action("slider", "Batch B (sequences)"),
+                           Action("dropdown", "GPU"))),
 ]
 
 

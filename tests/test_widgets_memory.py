@@ -5,7 +5,7 @@ import pytest
 
 from course_lib import costmodel
 from course_lib.hardware import GPUS
-from course_lib.widgets.memory import FIGSIZE, MemoryWidget
+from course_lib.widgets.memory import FIGSIZE, LABEL_WIDTH, MemoryWidget, format_tick
 
 pytestmark = pytest.mark.ch01
 
@@ -66,6 +66,36 @@ def test_controls_are_labelled(w):
     for control in w.controls:
         assert control.description
     assert w.widget() is not None
+
+
+def test_sliders_share_one_label_width_and_read_out_like_the_summary(w):
+    sliders = w.controls[:4]
+    assert {c.style.description_width for c in sliders} == {LABEL_WIDTH}
+    w.seq_len.value = 8192
+    assert w.seq_len.label == "8,192" and w.seq_len.value == 8192  # read-out as in the summary
+    assert "N = 8,192" in w.summary.value
+    assert w.heads.readout_format == w.batch.readout_format == ",d"
+
+
+@pytest.mark.parametrize("heads, gpu", [(16, "A100 80GB"), (19, "A100 80GB"), (86, "H100 SXM"),
+                                        (1, "RTX 4090"), (128, "H200")])
+def test_y_axis_ends_on_ticks_so_the_lowest_label_stays(w, heads, gpu):
+    w.heads.value = heads
+    w.gpu.value = gpu
+    low, high = w.ax.get_ylim()
+    ticks = [t for t in w.ax.get_yticks() if low <= t <= high]
+    assert ticks[0] == low and ticks[-1] == high  # both ends carry a labelled tick
+    assert len(ticks) >= 3
+    _, linear = w.lines["linear"].get_data()
+    assert low <= linear.min()  # and the curves stay inside
+    assert format_tick(2.0**30) == "1 GiB"
+
+
+def test_title_reads_naturally(w):
+    w.heads.value = 19
+    assert w.ax.get_title().startswith("batch 1 × 19 heads, d = 64, float16")
+    w.heads.value = 1
+    assert w.ax.get_title().startswith("batch 1 × 1 head, ")
 
 
 def test_bad_arguments():

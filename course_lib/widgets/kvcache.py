@@ -82,7 +82,7 @@ class KVCacheCalculator:
                              f"got {kv_heads!r}")
         gpu = hardware.get_gpu(gpu).name
 
-        style = {"description_width": "130px"}
+        style = {"description_width": "150px"}
         wide = widgets.Layout(width="440px")
         self.model = widgets.Dropdown(options=list(decoding.MODELS), value=model,
                                       description="Model", style=style, layout=wide)

@@ -19,13 +19,17 @@ import numpy as np
 
 from course_lib import costmodel, hardware
 
-__all__ = ["MemoryWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE"]
+__all__ = ["MemoryWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE", "format_tick"]
 
 FIGSIZE = (9, 4.5)  # inches: readable side by side with the controls
 SEQ_LENS = [2**p for p in range(8, 21)]  # 256 … 1,048,576 tokens
 HEAD_DIMS = [32, 64, 80, 96, 128, 256]
 DTYPES = ["float16", "bfloat16", "float32"]
 MAX_HEADS, MAX_BATCH = 128, 64
+LABEL_WIDTH = "130px"  # every slider's label: the tracks start at one x (fits "sequence length N")
+DROPDOWN_LABEL_WIDTH = "50px"  # the dropdowns' labels, in their own column
+READOUT_FORMAT = ",d"  # 8,192 in the read-outs, as in the summary and the title
+BYTES_PER_TICK = 1024  # y ticks at KiB, MiB, GiB, ...: the axis ends on one at both ends
 # The curve is drawn over a wider range than the slider so the crossing is visible off-slider too.
 _CURVE_N = np.logspace(np.log2(SEQ_LENS[0]), np.log2(4 * SEQ_LENS[-1]), 200, base=2)
 
@@ -36,6 +40,33 @@ def format_tokens(n: float) -> str:
         if n >= size:
             return f"{n / size:g}{unit}"
     return f"{n:g}"
+
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+
+
+def format_tick(y: float) -> str:
+    """Y tick label: "1 GiB" at a power of 1024 (where the ticks are), else format_bytes."""
+    tick, unit = 1, 0
+    while tick < y and unit < len(_BINARY_UNITS) - 1:
+        tick, unit = tick * BYTES_PER_TICK, unit + 1
+    return f"1 {_BINARY_UNITS[unit]}" if tick == y else costmodel.format_bytes(y)
+
+
+def _tick_below(y: float) -> float:
+    """The largest power of 1024 ≤ y, at least 1 (exact: no floating-point logarithm)."""
+    tick = 1
+    while tick * BYTES_PER_TICK <= y:
+        tick *= BYTES_PER_TICK
+    return float(tick)
+
+
+def _tick_above(y: float) -> float:
+    """The smallest power of 1024 ≥ y."""
+    tick = 1
+    while tick < y:
+        tick *= BYTES_PER_TICK
+    return float(tick)
 
 
 class MemoryWidget:
@@ -61,20 +92,25 @@ class MemoryWidget:
                              f"{SEQ_LENS[-1]} (powers of two), got {seq_len!r}")
         gpu = hardware.get_gpu(gpu).name
         self.score_matrices = score_matrices
-        style = {"description_width": "initial"}
-        self.seq_len = W.SelectionSlider(options=SEQ_LENS, value=seq_len,
+        style = {"description_width": LABEL_WIDTH}
+        # (label, value) options: the read-out shows 8,192, the value stays the int 8192
+        self.seq_len = W.SelectionSlider(options=[(f"{n:,}", n) for n in SEQ_LENS],
+                                         value=seq_len,
                                          description="sequence length N", style=style,
                                          continuous_update=False)
         self.head_dim = W.SelectionSlider(options=HEAD_DIMS, value=head_dim,
                                           description="head dim d", style=style)
         self.heads = W.IntSlider(value=heads, min=1, max=MAX_HEADS, description="heads H",
-                                 style=style, continuous_update=False)
+                                 style=style, readout_format=READOUT_FORMAT,
+                                 continuous_update=False)
         self.batch = W.IntSlider(value=batch, min=1, max=MAX_BATCH, description="batch B",
-                                 style=style, continuous_update=False)
+                                 style=style, readout_format=READOUT_FORMAT,
+                                 continuous_update=False)
+        dropdown_style = {"description_width": DROPDOWN_LABEL_WIDTH}
         self.dtype = W.Dropdown(options=DTYPES, value=hardware.normalize_dtype(dtype),
-                                description="dtype", style=style)
+                                description="dtype", style=dropdown_style)
         self.gpu = W.Dropdown(options=hardware.gpu_names(), value=gpu, description="GPU",
-                              style=style)
+                              style=dropdown_style)
         self.summary = W.HTML()
         self.output = W.Output()
 
@@ -93,8 +129,8 @@ class MemoryWidget:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_tokens(x)))
-        ax.yaxis.set_major_locator(LogLocator(base=1024))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: costmodel.format_bytes(y)))
+        ax.yaxis.set_major_locator(LogLocator(base=BYTES_PER_TICK))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: format_tick(y)))
         ax.yaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("sequence length N (tokens)")
         ax.set_ylabel("memory")
@@ -135,11 +171,17 @@ class MemoryWidget:
         self.lines["current"].set_data([self.seq_len.value], [self.memory.total_bytes])
 
         self.ax.set_xlim(_CURVE_N[0], _CURVE_N[-1])
-        self.ax.set_ylim(max(linear.min() / 2, 1.0), max(quadratic.max(), spec.memory_bytes) * 2)
+        # Both ends on a tick (a power of 1024), so the lowest and highest tick labels always
+        # show, whatever the heads, batch or GPU.
+        low = _tick_below(linear.min())
+        high = _tick_above(max(quadratic.max(), spec.memory_bytes) * 2)
+        self.ax.set_ylim(low, high)
         fits = self.memory.total_bytes <= spec.memory_bytes
         verdict = "fits in" if fits else '<span style="color:red">does not fit in</span>'
+        heads = self.heads.value
         self.ax.set_title(
-            f"{self.batch.value}×{self.heads.value} heads, d={self.head_dim.value}, "
+            f"batch {self.batch.value} × {heads} head{'s' if heads > 1 else ''}, "
+            f"d = {self.head_dim.value}, "
             f"{self.dtype.value}: naive attention runs out of {spec.name} memory at "
             f"N ≈ {self.max_n:,}", fontsize=10)
         self.summary.value = (

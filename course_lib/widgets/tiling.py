@@ -110,6 +110,9 @@ class TilingSimulator:
                                            style={"description_width": LABEL_WIDTH,
                                                   "button_width": BUTTON_WIDTH},
                                            layout=widgets.Layout(width=CONTROL_WIDTH))
+        # ipywidgets stacks a ToggleButtons' label above its buttons; the class the sliders and
+        # dropdowns carry puts it inline and right-aligned like theirs
+        self.order.add_class("widget-inline-hbox")
         self.causal = widgets.Checkbox(value=causal, description="Causal (skip hidden tiles)")
         self.step_button = widgets.Button(description="Step",
                                           button_style="primary")

@@ -1,0 +1,144 @@
+"""``course_lib.flash_attention`` refuses bad input with a clear message (chapter 06).
+
+Every error the design doc promises, each with its message checked: never a wrong answer, never a
+Triton stack trace.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from course_lib import flash_attention
+
+pytestmark = [pytest.mark.ch06]
+
+
+def _qkv(device, shape=(2, 17, 16), dtype=torch.float32):
+    return tuple(torch.randn(shape).to(device=device, dtype=dtype) for _ in range(3))
+
+
+def test_not_a_tensor(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got ndarray"):
+        flash_attention(np.zeros((4, 16)), k, v)
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor, got list"):
+        flash_attention(q, k, [[1.0] * 16])
+
+
+def test_wrong_rank(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"k must have shape \(\.\.\., N, d\) with at least 2 dims, got shape \(16,\)"):
+        flash_attention(q, k[0, 0], v)
+
+
+def test_integer_and_bool_tensors(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"q must be a floating-point tensor .*got torch.int64"):
+        flash_attention(torch.ones(2, 17, 16, dtype=torch.int64, device=device), k, v)
+    with pytest.raises(TypeError, match=r"v must be a floating-point tensor .*got torch.bool"):
+        flash_attention(q, k, torch.ones(2, 17, 16, dtype=torch.bool, device=device))
+
+
+def test_mismatched_dtypes(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"same dtype, got q torch.float32, k torch.float16, v torch.float32"):
+        flash_attention(q, k.half(), v)
+
+
+def test_unsupported_dtype(device):
+    from course_lib import runtime
+
+    q, k, v = _qkv(device, dtype=torch.float64)
+    if runtime.current().interpreted:
+        assert flash_attention(q, k, v).dtype == torch.float64  # allowed for gradcheck
+    else:
+        with pytest.raises(TypeError, match=r"float64 only runs in the interpreter"):
+            flash_attention(q, k, v)
+
+
+def test_complex_dtype(device):
+    q = torch.randn(2, 17, 16, dtype=torch.complex64, device=device)
+    with pytest.raises(TypeError, match=r"q must be a floating-point tensor"):
+        flash_attention(q, q, q)
+
+
+def test_device_mismatch_with_runtime(device):
+    from course_lib import runtime
+
+    rt = runtime.current()
+    if rt.interpreted:
+        meta = torch.randn(2, 17, 16, device="meta")
+        with pytest.raises(ValueError, match=r"q, k and v are on meta, but this session has no GPU"):
+            flash_attention(meta, meta, meta)
+    else:
+        q, k, v = _qkv("cpu")
+        with pytest.raises(ValueError, match=r"are on cpu, but this session runs kernels natively on the GPU"):
+            flash_attention(q, k, v)
+        with pytest.raises(ValueError, match=r"same device, got q on cpu, k on cuda"):
+            flash_attention(q, k.cuda(), v)
+
+
+def test_mismatched_shapes(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"same leading dims"):
+        flash_attention(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"k and v must have the same number of keys N_k"):
+        flash_attention(q, k, v[:, :5])
+    with pytest.raises(ValueError, match=r"same head dim d"):
+        flash_attention(q, k, torch.randn(2, 17, 32, device=device))
+
+
+@pytest.mark.parametrize("d", [8, 15, 257, 512])
+def test_unsupported_head_dim(d, device):
+    x = torch.randn(1, 4, d, device=device)
+    with pytest.raises(ValueError, match=rf"head dim d = {d} is not supported: the kernels take 16 <= d <= 256"):
+        flash_attention(x, x, x)
+
+
+def test_empty_sequence(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"empty sequence: N_q = 0, N_k = 17"):
+        flash_attention(q[:, :0], k, v)
+    with pytest.raises(ValueError, match=r"empty sequence: N_q = 17, N_k = 0"):
+        flash_attention(q, k[:, :0], v[:, :0])
+    with pytest.raises(ValueError, match=r"empty leading dim"):
+        flash_attention(q[:0], k[:0], v[:0])
+
+
+@pytest.mark.parametrize("scale, exc, msg", [
+    (float("nan"), ValueError, r"scale must be finite, got nan"),
+    (float("inf"), ValueError, r"scale must be finite, got inf"),
+    ("0.1", TypeError, r"scale must be a real number or None, got str"),
+    (True, TypeError, r"scale must be a real number or None, got bool"),
+])
+def test_bad_scale(scale, exc, msg, device):
+    q, k, v = _qkv(device)
+    with pytest.raises(exc, match=msg):
+        flash_attention(q, k, v, scale=scale)
+
+
+def test_bad_causal(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"causal must be True or False, got 1"):
+        flash_attention(q, k, v, causal=1)
+
+
+def test_causal_any_lengths_is_served(device):
+    """Top-left alignment leaves every query row at least key 0, so no (N_q, N_k) is refused:
+    rows i >= N_k see every key."""
+    q = torch.randn(1, 30, 16, device=device)
+    kv = torch.randn(1, 3, 16, device=device)
+    o = flash_attention(q, kv, kv, causal=True)
+    full = flash_attention(q[:, 5:], kv, kv, causal=False)  # rows i >= 3 see all 3 keys
+    assert torch.allclose(o[:, 5:], full, atol=1e-5)
+
+
+def test_scale_is_used(device):
+    q, k, v = _qkv(device)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.05)
+    assert torch.allclose(flash_attention(q, k, v, scale=0.05), ref, atol=1e-5)
+    # an integer scale is a real number too
+    ref2 = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert torch.allclose(flash_attention(q, k, v, scale=1), ref2, atol=1e-5)
