@@ -1,10 +1,11 @@
 """The arithmetic-intensity calculator and roofline, driven without a browser."""
 
+import numpy as np
 import pytest
 
 from course_lib import costmodel
 from course_lib.hardware import GPUS, TERA, balance_point
-from course_lib.widgets.roofline import FIGSIZE, RooflineWidget
+from course_lib.widgets.roofline import FIGSIZE, RooflineWidget, label_collides
 
 pytestmark = pytest.mark.ch02
 
@@ -63,7 +64,45 @@ def test_sliders_change_points_and_times(w):
     assert w.points["softmax"][0] == softmax  # softmax's intensity depends on neither N nor d
     memory_s, compute_s = w.times["softmax"]
     assert memory_s > 100 * compute_s
-    assert "<table>" in w.table.value and "memory" in w.table.value
+    assert "<table" in w.table.value and "memory" in w.table.value
+
+
+def test_table_has_units_separators_and_right_aligned_numbers():
+    w = RooflineWidget(seq_len=131072, head_dim=80, dtype="float16", gpu="H100 SXM")
+    html = w.table.value
+    assert "FLOPs (GFLOP)" in html and "HBM traffic (GB)" in html
+    assert "intensity (FLOP/byte)" in html
+    qk = costmodel.step_costs(131072, 80, "float16")["qk"]
+    assert f">{qk.flops / 1e9:,.0f}</td>" in html and "," in f"{qk.flops / 1e9:,.0f}"
+    assert "e+" not in html  # no 1.34e+08
+    assert "text-align: right" in html and "padding" in html
+    assert "N = 131,072" in html
+    w.seq_len.value = 128  # small sizes switch to smaller units
+    assert "FLOPs (MFLOP)" in w.table.value and "HBM traffic (MB)" in w.table.value
+
+
+@pytest.mark.parametrize("gpu, dtype", [*((gpu, "float16") for gpu in sorted(GPUS)),
+                                        ("A100 80GB", "float32"), ("RTX 4090", "float32")])
+def test_point_labels_touch_no_line_axis_or_other_label(gpu, dtype):
+    """The "mask: 0.25" label once sat on the 10⁰ tick, and the matmul label on the roof."""
+    w = RooflineWidget(seq_len=1024, head_dim=64, dtype=dtype, gpu=gpu)
+    for seq_len, head_dim in ((1024, 64), (131072, 80), (128, 256), (16384, 128)):
+        w.seq_len.value, w.head_dim.value = seq_len, head_dim
+        w.fig.draw_without_rendering()
+        renderer = w.fig.canvas.get_renderer()
+        to_px = w.ax.transData.transform
+        roof = to_px(np.column_stack(w.roof.get_data()))
+        markers = to_px(np.array([[m.get_xdata()[0], m.get_ydata()[0]]
+                                  for m in w.markers.values()]))
+        balance_x = to_px([[w.balance, 1.0]])[0, 0]
+        shown = [label for label in w.labels.values() if label.get_visible()]
+        boxes = [label.get_window_extent(renderer) for label in shown]
+        texts = [label.get_text() for label in shown]
+        for i, box in enumerate(boxes):
+            others = boxes[:i] + boxes[i + 1:]
+            assert not label_collides(box, w.ax.bbox, balance_x, roof, markers, others), \
+                (gpu, dtype, seq_len, head_dim, texts[i])
+        assert box.x0 >= w.ax.bbox.x0  # inside the axes: clear of the tick labels
 
 
 def test_controls_are_labelled_and_bad_arguments_rejected(w):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from course_lib import iomodel
-from course_lib.widgets.tiling import (CURRENT, DONE, LABEL_WIDTH, ORDERS, RESIDENT, SKIPPED, TODO,
-                                      TilingSimulator)
+from course_lib.widgets.tiling import (CURRENT, DONE, IO_HEADROOM, LABEL_WIDTH, ORDERS, RESIDENT,
+                                      SKIPPED, TODO, TilingSimulator)
 
 pytestmark = pytest.mark.ch04
 
@@ -100,7 +100,7 @@ def test_traffic_bars_are_linear_so_progress_reads_honestly(sim):
     sim.play.value = 10
     reads = sim.counts()[0]
     share = sim.io_bars[0].get_width() / sim.ax_io.get_xlim()[1]
-    assert share == pytest.approx(reads / (1.08 * max(sim.standard.reads, sim.total.reads)))
+    assert share == pytest.approx(reads / (IO_HEADROOM * max(sim.standard.reads, sim.total.reads)))
     assert sim.io_texts[0].get_text().startswith(f"{reads / 1e3:.3g} k of ")
 
 

@@ -27,6 +27,7 @@ HEAD_DIMS = [32, 64, 80, 96, 128, 256]
 DTYPES = ["float16", "bfloat16", "float32"]
 MAX_HEADS, MAX_BATCH = 128, 64
 LABEL_WIDTH = "130px"  # every slider's label: the tracks start at one x (fits "sequence length N")
+SLIDER_WIDTH = "420px"  # label, track and read-out: room for a track and "1,048,576"
 DROPDOWN_LABEL_WIDTH = "50px"  # the dropdowns' labels, in their own column
 READOUT_FORMAT = ",d"  # 8,192 in the read-outs, as in the summary and the title
 BYTES_PER_TICK = 1024  # y ticks at KiB, MiB, GiB, ...: the axis ends on one at both ends
@@ -93,19 +94,20 @@ class MemoryWidget:
         gpu = hardware.get_gpu(gpu).name
         self.score_matrices = score_matrices
         style = {"description_width": LABEL_WIDTH}
+        wide = {"layout": W.Layout(width=SLIDER_WIDTH)}
         # (label, value) options: the read-out shows 8,192, the value stays the int 8192
         self.seq_len = W.SelectionSlider(options=[(f"{n:,}", n) for n in SEQ_LENS],
                                          value=seq_len,
                                          description="sequence length N", style=style,
-                                         continuous_update=False)
+                                         continuous_update=False, **wide)
         self.head_dim = W.SelectionSlider(options=HEAD_DIMS, value=head_dim,
-                                          description="head dim d", style=style)
+                                          description="head dim d", style=style, **wide)
         self.heads = W.IntSlider(value=heads, min=1, max=MAX_HEADS, description="heads H",
                                  style=style, readout_format=READOUT_FORMAT,
-                                 continuous_update=False)
+                                 continuous_update=False, **wide)
         self.batch = W.IntSlider(value=batch, min=1, max=MAX_BATCH, description="batch B",
                                  style=style, readout_format=READOUT_FORMAT,
-                                 continuous_update=False)
+                                 continuous_update=False, **wide)
         dropdown_style = {"description_width": DROPDOWN_LABEL_WIDTH}
         self.dtype = W.Dropdown(options=DTYPES, value=hardware.normalize_dtype(dtype),
                                 description="dtype", style=dropdown_style)
@@ -174,7 +176,7 @@ class MemoryWidget:
         # Both ends on a tick (a power of 1024), so the lowest and highest tick labels always
         # show, whatever the heads, batch or GPU.
         low = _tick_below(linear.min())
-        high = _tick_above(max(quadratic.max(), spec.memory_bytes) * 2)
+        high = _tick_above(max(quadratic.max(), spec.memory_bytes))
         self.ax.set_ylim(low, high)
         fits = self.memory.total_bytes <= spec.memory_bytes
         verdict = "fits in" if fits else '<span style="color:red">does not fit in</span>'
