@@ -414,3 +414,47 @@ def output_traffic(algorithm: str, n_q: int, n_k: int, d: int, block_m: int, blo
                  for j in range(num_blocks(n_k, block_n)))
     olm = d_v + 2
     return batch * (n_q * olm + 2 * q_rows * olm + 3 * n_q)
+
+
+# ------------------------------------------------------------------------------------------------
+# The model against a real GPU: DRAM bytes measured with Nsight Compute (tools/ncu_hbm.py).
+
+MEASURED_TRAFFIC_FILE = "{gpu}_hbm_traffic.json"  # in course_lib/data/benchmarks/
+
+
+def load_measured_traffic(gpu: str = "h100") -> dict | None:
+    """The DRAM traffic recorded for ``gpu`` (with its provenance), or None when none is recorded."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "benchmarks" / MEASURED_TRAFFIC_FILE.format(gpu=gpu)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def measured_vs_model(data: dict) -> list[dict]:
+    """One row per implementation: measured DRAM MB (read, written) next to what the model counts.
+
+    The naive run measured is ``q kᵀ``, a separate scale kernel, softmax and ``P v`` (no mask,
+    no dropout), so its model is those four round trips; the course kernel's model is
+    :func:`fa2_io` with the tile sizes it ran with. ``compulsory`` is reading q, k, v and writing o once.
+    """
+    s = data["meta"]["setting"]
+    heads, n, d = s["batch"] * s["heads"], s["N"], s["d"]
+    nbytes = BYTES_PER_ELEMENT[s["dtype"]]
+    nn = heads * n * n  # elements of all heads' N×N matrices
+    qkvo = heads * n * d
+    model = {
+        # qk: read q, k, write S; scale and softmax: read and write N×N; pv: read P, v, write o
+        "naive": (2 * qkvo + nn + 2 * nn + 2 * nn + nn + 2 * qkvo) * nbytes,
+        "course": fa2_io(n, n, d, s["course_blocks"]["block_m"], s["course_blocks"]["block_n"],
+                         s["causal"], batch=heads).bytes(s["dtype"]),
+    }
+    rows = []
+    for impl in ("naive", "course"):
+        kernels = [r for r in data["rows"] if r["impl"] == impl]
+        read = sum(r["dram_bytes_read"] for r in kernels)
+        written = sum(r["dram_bytes_written"] for r in kernels)
+        rows.append({"impl": impl, "kernels": len(kernels), "read_mb": read / 1e6,
+                     "written_mb": written / 1e6, "measured_mb": (read + written) / 1e6,
+                     "model_mb": model[impl] / 1e6, "compulsory_mb": 4 * qkvo * nbytes / 1e6})
+    return rows

@@ -224,6 +224,8 @@ def test_broken_learner_code_gets_one_short_message(update, finish, fragment):
     _rejected(ch06.check_online_softmax, (update, finish), fragment)
 
 
+@pytest.mark.skipif(runtime.current().on_gpu,
+                    reason="a kernel that never ends cannot be interrupted on a GPU; the interpreter run checks it")
 def test_endless_loop_is_stopped(monkeypatch):
     monkeypatch.setattr(ch05, "KERNEL_TIME_LIMIT_S", 1)
     _rejected(ch06.check_online_softmax, (update_forever, ch06.finish_rows), "stopped after 1 s")

@@ -21,7 +21,8 @@ def dataset():
 
 def make(dataset, attention, seed=0, **sizes):
     config = tinylm.TinyLMConfig(vocab_size=dataset.vocab_size, **{**SMALL, **sizes})
-    return tinylm.TinyLM(config, attention, seed=seed)
+    # on the device the kernels run on: CUDA in GPU mode, CPU for the interpreter
+    return tinylm.TinyLM(config, attention, seed=seed).to(runtime.current().device)
 
 
 def test_batches_are_deterministic_and_shifted(dataset):

@@ -6,7 +6,7 @@
 #     --platform manylinux2014_x86_64 --platform any -d .whl nbval==0.11.0 ipykernel==7.4.0 \
 #     ipywidgets==8.1.9 pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.15 nbclient==0.11.0 \
 #     nbformat==5.11.1 matplotlib==3.11.2 tqdm==4.70.1      (then delete numpy-*.whl: keep the machine's)
-# Usage: tools/gpu_check.sh [OUTDIR] [extra pytest args]
+# Usage: tools/gpu_check.sh [OUTDIR] [extra pytest args]   (GPU_CHECK_TARGETS overrides the paths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-/tmp/gpu-check}}"; shift || true
@@ -30,5 +30,5 @@ python3 -m pytest -p no:cacheprovider \
   -o addopts="-ra --strict-markers --nbval-lax --nbval-current-env --nbval-cell-timeout=600" \
   --deselect tests/test_packaging.py::test_installed_versions_match_pins \
   --ignore tests/test_browser.py --ignore tests/test_lab.py \
-  --junitxml "$OUT_DIR/junit.xml" --durations=15 "$@" tests solutions notebooks 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  --junitxml "$OUT_DIR/junit.xml" --durations=15 "$@" ${GPU_CHECK_TARGETS:-tests solutions notebooks} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 exit "${PIPESTATUS[0]}"
