@@ -147,16 +147,28 @@ def hide_news_prompt_whenever_it_shows(page) -> None:
 
     It is closed (×), not answered: "No" would be stored in the user's JupyterLab settings.
     """
-    page.add_locator_handler(news_prompt(page),
-                             lambda toast: toast.get_by_title("Hide notification").click())
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    def close(toast):
+        try:
+            toast.get_by_title("Hide notification").click(timeout=3_000)
+        except PlaywrightTimeoutError:
+            pass  # it went away by itself while we reached for it
+
+    page.add_locator_handler(news_prompt(page), close)
 
 
 def dismiss_news_prompt(page) -> None:
     """Close the news toast now if it is showing (before a screenshot)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
     toast = news_prompt(page)
     if toast.count():
-        toast.get_by_title("Hide notification").click()
-        toast.wait_for(state="detached", timeout=5_000)
+        try:
+            toast.get_by_title("Hide notification").click(timeout=3_000)
+        except PlaywrightTimeoutError:
+            pass  # the locator handler (or JupyterLab) was already closing it
+        toast.wait_for(state="detached", timeout=10_000)
 
 
 def fail_on_dialog(page) -> None:

@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import io
 
 import ipywidgets as widgets
 import numpy as np
@@ -34,6 +33,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from course_lib import decoding, hardware
 from course_lib.costmodel import format_bytes
 from course_lib.widgets.memory import format_tokens
+from course_lib.widgets._display import DisplaysAsWidget, figure_png
 
 __all__ = ["KVCacheCalculator", "FIGSIZE", "SEQ_LENS", "DTYPES", "MAX_BATCH"]
 
@@ -51,7 +51,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-class KVCacheCalculator:
+class KVCacheCalculator(DisplaysAsWidget):
     """KV-cache size of a model at a context length and batch, against a GPU's memory.
 
     Attributes:
@@ -215,9 +215,7 @@ class KVCacheCalculator:
                 f"<b>{self.max_context:,}</b> at this batch.")
 
     def _render(self) -> None:
-        buffer = io.BytesIO()
-        self.fig.savefig(buffer, format="png", dpi=DPI)
-        self.image.value = buffer.getvalue()
+        self.image.value = figure_png(self.fig, DPI)
 
     def widget(self):
         """The controls, the summary and the figure, as one ipywidgets box."""
@@ -226,7 +224,3 @@ class KVCacheCalculator:
                           widgets.VBox([self.dtype, self.gpu, self.reserve_weights])]),
             self.summary, self.image])
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())

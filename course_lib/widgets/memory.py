@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import costmodel, hardware
+from course_lib.widgets._display import DisplaysAsWidget, show_in_output
 
 __all__ = ["MemoryWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE", "format_tick"]
 
@@ -70,7 +71,7 @@ def _tick_above(y: float) -> float:
     return float(tick)
 
 
-class MemoryWidget:
+class MemoryWidget(DisplaysAsWidget):
     """Memory of naive attention (one layer's forward: Q, K, V, O and the N×N matrices) vs N.
 
     Attributes:
@@ -195,14 +196,7 @@ class MemoryWidget:
         self._redraw()
 
     def _redraw(self) -> None:
-        from IPython import get_ipython
-        from IPython.display import display
-
-        if get_ipython() is None:  # plain Python (tests): keep the figure, show nothing
-            return
-        with self.output:
-            self.output.clear_output(wait=True)
-            display(self.fig)
+        show_in_output(self.output, self.fig)
 
     def widget(self):
         """The controls, a one-line summary and the figure, as one ipywidgets box."""
@@ -211,7 +205,3 @@ class MemoryWidget:
         return W.VBox([W.HBox([W.VBox(self.controls[:4]), W.VBox(self.controls[4:])]),
                        self.summary, self.output])
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import costmodel, hardware
+from course_lib.widgets._display import DisplaysAsWidget, show_in_output
 
 __all__ = ["RooflineWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE", "REFERENCE_MATMUL",
            "label_collides"]
@@ -90,7 +91,7 @@ def label_collides(box, axes_box, balance_x: float, roof_px, markers_px, others)
     return any(grown.overlaps(other) for other in others)
 
 
-class RooflineWidget:
+class RooflineWidget(DisplaysAsWidget):
     """Roofline of a GPU with the five kernels of standard attention on it.
 
     Attributes:
@@ -300,14 +301,7 @@ class RooflineWidget:
             f"{caption}</caption><tr>{header}</tr>{rows}</table>")
 
     def _redraw(self) -> None:
-        from IPython import get_ipython
-        from IPython.display import display
-
-        if get_ipython() is None:  # plain Python (tests): keep the figure, show nothing
-            return
-        with self.output:
-            self.output.clear_output(wait=True)
-            display(self.fig)
+        show_in_output(self.output, self.fig)
 
     def widget(self):
         """Controls, figure and a per-step table, as one ipywidgets box."""
@@ -316,7 +310,3 @@ class RooflineWidget:
         return W.VBox([W.HBox([W.VBox(self.controls[:2]), W.VBox(self.controls[2:])]),
                        self.output, self.table])
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())

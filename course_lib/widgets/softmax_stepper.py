@@ -22,7 +22,6 @@ Usage::
 
 from __future__ import annotations
 
-import io
 
 import ipywidgets as widgets
 import numpy as np
@@ -30,6 +29,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from course_lib.softmax import safe_softmax, trace_online_softmax
+from course_lib.widgets._display import DisplaysAsWidget, figure_png
 
 FIGSIZE = (9.0, 4.5)  # inches
 DPI = 100
@@ -78,7 +78,7 @@ def _bar_base(row: np.ndarray) -> float:
     return low
 
 
-class SoftmaxStepper:
+class SoftmaxStepper(DisplaysAsWidget):
     """Tile-by-tile online softmax of one row, with buttons, a slider and a live figure.
 
     Args:
@@ -304,11 +304,5 @@ class SoftmaxStepper:
         self._render()
 
     def _render(self) -> None:
-        buffer = io.BytesIO()
-        self.fig.savefig(buffer, format="png", dpi=DPI)
-        self.image.value = buffer.getvalue()
+        self.image.value = figure_png(self.fig, DPI)
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)

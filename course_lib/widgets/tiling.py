@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import io
 
 import ipywidgets as widgets
 import numpy as np
@@ -41,6 +40,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from course_lib import iomodel
+from course_lib.widgets._display import DisplaysAsWidget, figure_png
 
 FIGSIZE = (9.0, 4.5)  # inches
 DPI = 100
@@ -79,7 +79,7 @@ def _fmt(n: float) -> str:
     return f"{n:.0f}"
 
 
-class TilingSimulator:
+class TilingSimulator(DisplaysAsWidget):
     """Replays the tile schedule of FA1 or FA2 on an ``N × N`` score matrix.
 
     Args:
@@ -360,11 +360,5 @@ class TilingSimulator:
         self._render()
 
     def _render(self) -> None:
-        buffer = io.BytesIO()
-        self.fig.savefig(buffer, format="png", dpi=DPI)
-        self.image.value = buffer.getvalue()
+        self.image.value = figure_png(self.fig, DPI)
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
