@@ -68,7 +68,8 @@ def test_the_attention_function_is_the_one_called(dataset):
         return tinylm.sdpa_attention(q, k, v)
 
     model = make(dataset, spy, n_layers=2)
-    model.loss(*dataset.batch(2, 16, torch.Generator().manual_seed(0)))
+    x, y = dataset.batch(2, 16, torch.Generator().manual_seed(0))
+    model.loss(x.to(runtime.current().device), y.to(runtime.current().device))
     assert calls == [(2, 2, 16, 16)] * 2  # (B, H, T, d) once per layer
 
 
