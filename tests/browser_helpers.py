@@ -15,13 +15,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
+
+from lab_server import stop_process_group
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Chromium as root in a container, on a machine with no outside network (FACTS.md, "A real browser").
@@ -77,15 +78,7 @@ def chromium_process(log_path: Path | None = None):
         port = port_file.read_text().split()[0]
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            except ProcessLookupError:
-                pass
+        stop_process_group(proc, timeout=10)
         log.close()
         shutil.rmtree(profile, ignore_errors=True)
 

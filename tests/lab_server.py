@@ -28,6 +28,20 @@ def get_json(url: str):
         return json.loads(response.read())
 
 
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
+    """Stop a process started with ``start_new_session=True`` and all its children, by PID:
+    SIGTERM to the group, then SIGKILL if it has not exited within ``timeout`` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+
 @contextmanager
 def running_lab(log_path: Path | None = None):
     """Yield the base URL of a running course JupyterLab; stop it (and its kernels) by PID."""
@@ -51,12 +65,5 @@ def running_lab(log_path: Path | None = None):
         yield base, proc.pid
     finally:
         # the server was started in its own session: signal the whole group (kernels included)
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_process_group(proc, timeout=20)
         log.close()
