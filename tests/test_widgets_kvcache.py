@@ -7,7 +7,8 @@ import pytest
 
 from course_lib import decoding
 from course_lib.hardware import GPUS
-from course_lib.widgets.kvcache import FIGSIZE, KVCacheCalculator
+from course_lib.widgets._display import FIGSIZE
+from course_lib.widgets.kvcache import KVCacheCalculator
 
 pytestmark = pytest.mark.ch08
 

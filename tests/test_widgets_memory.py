@@ -5,7 +5,8 @@ import pytest
 
 from course_lib import costmodel
 from course_lib.hardware import GPUS
-from course_lib.widgets.memory import FIGSIZE, LABEL_WIDTH, MemoryWidget, format_tick
+from course_lib.widgets._display import FIGSIZE, LABEL_WIDTH
+from course_lib.widgets.memory import MemoryWidget, format_tick
 
 pytestmark = pytest.mark.ch01
 
@@ -28,6 +29,7 @@ def test_plotted_terms_match_the_cost_model(w):
     assert slope(linear) == pytest.approx(1, abs=0.02)
     assert w.ax.get_xscale() == "log" and w.ax.get_yscale() == "log"
     assert tuple(w.fig.get_size_inches()) == FIGSIZE
+    assert w.image.value[:4] == b"\x89PNG"
 
 
 def test_gpu_line_and_limit_follow_the_gpu(w):

@@ -5,7 +5,8 @@ import pytest
 
 from course_lib import costmodel
 from course_lib.hardware import GPUS, TERA, balance_point
-from course_lib.widgets.roofline import FIGSIZE, RooflineWidget, label_collides
+from course_lib.widgets._display import FIGSIZE
+from course_lib.widgets.roofline import RooflineWidget, label_collides
 
 pytestmark = pytest.mark.ch02
 
@@ -26,6 +27,7 @@ def test_points_are_the_cost_model_on_the_roof(w):
     assert w.labels["qk"].get_text() == "QKᵀ and PV: 56.9"  # one label for the shared point
     assert not w.labels["pv"].get_visible()
     assert tuple(w.fig.get_size_inches()) == FIGSIZE
+    assert w.image.value[:4] == b"\x89PNG"
 
 
 def test_memory_bound_steps_are_red_and_the_big_matmul_is_green(w):

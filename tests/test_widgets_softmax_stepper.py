@@ -7,6 +7,7 @@ import pytest
 
 from course_lib.softmax import safe_softmax
 from course_lib.widgets import softmax_stepper as ws
+from course_lib.widgets._display import FIGSIZE
 
 pytestmark = pytest.mark.ch03
 
@@ -32,7 +33,7 @@ def test_starts_empty_with_labelled_controls(stepper):
     for control in (stepper.preset, stepper.block_slider, stepper.next_button,
                     stepper.reset_button, stepper.new_row_button):
         assert control.description
-    assert tuple(stepper.fig.get_size_inches()) == ws.FIGSIZE
+    assert tuple(stepper.fig.get_size_inches()) == FIGSIZE
     assert stepper.image.value[:4] == b"\x89PNG"
 
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from course_lib import iomodel
-from course_lib.widgets.tiling import (CURRENT, DONE, IO_HEADROOM, LABEL_WIDTH, ORDERS, RESIDENT,
-                                      SKIPPED, TODO, TilingSimulator)
+from course_lib.widgets._display import LABEL_WIDTH
+from course_lib.widgets.tiling import (CURRENT, DONE, IO_HEADROOM, ORDERS, RESIDENT, SKIPPED, TODO,
+                                      TilingSimulator)
 
 pytestmark = pytest.mark.ch04
 

@@ -11,7 +11,7 @@ horizontal lines are the GPU's memory and what is left for the cache; the dot is
 context. A line of text gives the size, its share of the GPU, and the most tokens that fit
 (batch × context): the largest batch at this context and the longest context at this batch.
 
-The figure is rendered to PNG bytes in an ``ipywidgets.Image``, so it looks the same in
+The figure is rendered to PNG bytes in :attr:`image` (see ``_display``), so it looks the same in
 JupyterLab and in tests. Without a browser: set a control's ``value``, then read
 :attr:`cache_bytes`, :attr:`max_tokens`, :attr:`summary` ``.value`` or ``lines[...]``.
 
@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from course_lib import decoding, hardware
 from course_lib.costmodel import format_bytes
 from course_lib.widgets.memory import format_tokens
-from course_lib.widgets._display import DisplaysAsWidget, figure_png
+from course_lib.widgets._display import (SMALL_FONTSIZE, TITLE_FONTSIZE, FigureWidget,
+                                        control_layout)
 
-__all__ = ["KVCacheCalculator", "FIGSIZE", "SEQ_LENS", "DTYPES", "MAX_BATCH"]
+__all__ = ["KVCacheCalculator", "SEQ_LENS", "DTYPES", "MAX_BATCH"]
 
-FIGSIZE = (9.0, 4.5)  # inches
-DPI = 100
 SEQ_LENS = [2**p for p in range(9, 21)]  # 512 … 1M tokens
 MAX_BATCH = 256
 DTYPES = (("float16 / bfloat16 (2 bytes)", "float16"), ("float32 (4 bytes)", "float32"),
@@ -51,7 +48,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-class KVCacheCalculator(DisplaysAsWidget):
+class KVCacheCalculator(FigureWidget):
     """KV-cache size of a model at a context length and batch, against a GPU's memory.
 
     Attributes:
@@ -82,32 +79,28 @@ class KVCacheCalculator(DisplaysAsWidget):
                              f"got {kv_heads!r}")
         gpu = hardware.get_gpu(gpu).name
 
-        style = {"description_width": "150px"}
-        wide = widgets.Layout(width="440px")
         self.model = widgets.Dropdown(options=list(decoding.MODELS), value=model,
-                                      description="Model", style=style, layout=wide)
+                                      description="Model", **control_layout())
         self.seq_len = widgets.SelectionSlider(options=[(format_tokens(n), n) for n in SEQ_LENS],
                                                value=seq_len, description="Context length N",
-                                               continuous_update=False, style=style, layout=wide)
+                                               continuous_update=False, **control_layout())
         self.batch = widgets.IntSlider(value=batch, min=1, max=MAX_BATCH,
                                        description="Batch B (sequences)",
-                                       continuous_update=False, style=style, layout=wide)
+                                       continuous_update=False, **control_layout())
         self.kv_heads = widgets.SelectionSlider(options=_divisors(shape.n_heads), value=kv_heads,
                                                 description="K/V heads",
-                                                continuous_update=False, style=style, layout=wide)
+                                                continuous_update=False, **control_layout())
         self.dtype = widgets.Dropdown(options=DTYPES, value=dtype, description="Cache dtype",
-                                      style=style, layout=wide)
+                                      **control_layout())
         self.gpu = widgets.Dropdown(options=hardware.gpu_names(), value=gpu, description="GPU",
-                                    style=style, layout=wide)
+                                    **control_layout())
+        # a checkbox's label sits right of the box and takes the width it needs
         self.reserve_weights = widgets.Checkbox(
             value=reserve_weights, description="Reserve the weights (fp16) before the cache",
-            style={"description_width": "initial"}, layout=wide)
+            **control_layout(description_width="initial"))
         self.summary = widgets.HTML()
-        self.image = widgets.Image(format="png", layout=widgets.Layout(width="900px"))
 
-        self.fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-        FigureCanvasAgg(self.fig)
-        self.ax = ax = self.fig.add_subplot()
+        self.ax = ax = self._new_figure().add_subplot()
         self.lines = {
             "mha": ax.plot([], [], color="tab:red", lw=1.5, ls="--", zorder=3,  # on top when equal
                            label="every head cached (MHA)")[0],
@@ -128,7 +121,7 @@ class KVCacheCalculator(DisplaysAsWidget):
         ax.set_xlabel("context length N (tokens per sequence)")
         ax.set_ylabel("KV-cache size")
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", fontsize=SMALL_FONTSIZE)
 
         self._syncing = False
         self.model.observe(self._on_model, names="value")
@@ -193,7 +186,7 @@ class KVCacheCalculator(DisplaysAsWidget):
         self.ax.set_ylim(curves.min() / 2, max(curves.max(), spec.memory_bytes) * 2)
         self.ax.set_title(f"{shape.name}\n{shape.layers} layers, {shape.n_heads} query heads, "
                           f"{kv_heads} K/V heads, d = {shape.head_dim}; batch {batch}, "
-                          f"{self.dtype.value} cache; {spec.name}", fontsize=10)
+                          f"{self.dtype.value} cache; {spec.name}", fontsize=TITLE_FONTSIZE)
         self.summary.value = self._summary_text(spec)
         self._render()
 
@@ -213,9 +206,6 @@ class KVCacheCalculator(DisplaysAsWidget):
                 f"{weights}.<br>At most <b>{self.max_tokens:,} tokens</b> (batch × context) "
                 f"fit: batch ≤ <b>{self.max_batch:,}</b> at this context, or context ≤ "
                 f"<b>{self.max_context:,}</b> at this batch.")
-
-    def _render(self) -> None:
-        self.image.value = figure_png(self.fig, DPI)
 
     def widget(self):
         """The controls, the summary and the figure, as one ipywidgets box."""

@@ -11,6 +11,8 @@ Usable without a browser (that is how the tests drive it)::
     w.max_n                     # largest N that fits on the chosen GPU
     w.lines["quadratic"].get_ydata()
     w.widget()                  # the ipywidgets box to display in a notebook
+
+The figure is rendered to PNG in ``w.image`` after every change (see ``_display``).
 """
 
 from __future__ import annotations
@@ -18,18 +20,15 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import costmodel, hardware
-from course_lib.widgets._display import DisplaysAsWidget, show_in_output
+from course_lib.widgets._display import (SMALL_FONTSIZE, TITLE_FONTSIZE, FigureWidget,
+                                        control_layout)
 
-__all__ = ["MemoryWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE", "format_tick"]
+__all__ = ["MemoryWidget", "SEQ_LENS", "HEAD_DIMS", "format_tick"]
 
-FIGSIZE = (9, 4.5)  # inches: readable side by side with the controls
 SEQ_LENS = [2**p for p in range(8, 21)]  # 256 … 1,048,576 tokens
 HEAD_DIMS = [32, 64, 80, 96, 128, 256]
 DTYPES = ["float16", "bfloat16", "float32"]
 MAX_HEADS, MAX_BATCH = 128, 64
-LABEL_WIDTH = "130px"  # every slider's label: the tracks start at one x (fits "sequence length N")
-SLIDER_WIDTH = "420px"  # label, track and read-out: room for a track and "1,048,576"
-DROPDOWN_LABEL_WIDTH = "50px"  # the dropdowns' labels, in their own column
 READOUT_FORMAT = ",d"  # 8,192 in the read-outs, as in the summary and the title
 BYTES_PER_TICK = 1024  # y ticks at KiB, MiB, GiB, ...: the axis ends on one at both ends
 # The curve is drawn over a wider range than the slider so the crossing is visible off-slider too.
@@ -71,13 +70,14 @@ def _tick_above(y: float) -> float:
     return float(tick)
 
 
-class MemoryWidget(DisplaysAsWidget):
+class MemoryWidget(FigureWidget):
     """Memory of naive attention (one layer's forward: Q, K, V, O and the N×N matrices) vs N.
 
     Attributes:
         seq_len, head_dim, heads, batch, dtype, gpu: the ipywidgets controls.
         fig, ax: the matplotlib figure and axes; ``lines`` maps ``"quadratic"``, ``"linear"``,
             ``"total"``, ``"gpu"``, ``"limit"``, ``"current"`` to their Line2D.
+        summary: the text line (HTML); image: the rendered figure (PNG bytes in ``.value``).
         memory: the :class:`~course_lib.costmodel.MemoryBreakdown` at the current N.
         max_n: the largest N whose total fits in the GPU's memory.
     """
@@ -86,7 +86,6 @@ class MemoryWidget(DisplaysAsWidget):
                  dtype: str = "float16", gpu: str = hardware.DEFAULT_GPU,
                  score_matrices: int = 1):
         import ipywidgets as W
-        import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
         if seq_len not in SEQ_LENS:
@@ -94,33 +93,25 @@ class MemoryWidget(DisplaysAsWidget):
                              f"{SEQ_LENS[-1]} (powers of two), got {seq_len!r}")
         gpu = hardware.get_gpu(gpu).name
         self.score_matrices = score_matrices
-        style = {"description_width": LABEL_WIDTH}
-        wide = {"layout": W.Layout(width=SLIDER_WIDTH)}
         # (label, value) options: the read-out shows 8,192, the value stays the int 8192
         self.seq_len = W.SelectionSlider(options=[(f"{n:,}", n) for n in SEQ_LENS],
-                                         value=seq_len,
-                                         description="sequence length N", style=style,
-                                         continuous_update=False, **wide)
+                                         value=seq_len, description="sequence length N",
+                                         continuous_update=False, **control_layout())
         self.head_dim = W.SelectionSlider(options=HEAD_DIMS, value=head_dim,
-                                          description="head dim d", style=style, **wide)
+                                          description="head dim d", **control_layout())
         self.heads = W.IntSlider(value=heads, min=1, max=MAX_HEADS, description="heads H",
-                                 style=style, readout_format=READOUT_FORMAT,
-                                 continuous_update=False, **wide)
+                                 readout_format=READOUT_FORMAT, continuous_update=False,
+                                 **control_layout())
         self.batch = W.IntSlider(value=batch, min=1, max=MAX_BATCH, description="batch B",
-                                 style=style, readout_format=READOUT_FORMAT,
-                                 continuous_update=False, **wide)
-        dropdown_style = {"description_width": DROPDOWN_LABEL_WIDTH}
+                                 readout_format=READOUT_FORMAT, continuous_update=False,
+                                 **control_layout())
         self.dtype = W.Dropdown(options=DTYPES, value=hardware.normalize_dtype(dtype),
-                                description="dtype", style=dropdown_style)
+                                description="dtype", **control_layout())
         self.gpu = W.Dropdown(options=hardware.gpu_names(), value=gpu, description="GPU",
-                              style=dropdown_style)
+                              **control_layout())
         self.summary = W.HTML()
-        self.output = W.Output()
 
-        with plt.ioff():
-            self.fig, self.ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
-        plt.close(self.fig)  # drawn only into self.output, never auto-shown by the backend
-        ax = self.ax
+        self.ax = ax = self._new_figure().add_subplot()
         self.lines = {
             "quadratic": ax.plot([], [], color="tab:red", lw=2.5, label="N×N score matrices")[0],
             "linear": ax.plot([], [], color="tab:cyan", lw=2.5, label="Q, K, V, O")[0],
@@ -138,7 +129,7 @@ class MemoryWidget(DisplaysAsWidget):
         ax.set_xlabel("sequence length N (tokens)")
         ax.set_ylabel("memory")
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=9)
+        ax.legend(loc="upper left", fontsize=SMALL_FONTSIZE)
 
         for control in self.controls:
             control.observe(self._on_change, names="value")
@@ -186,22 +177,19 @@ class MemoryWidget(DisplaysAsWidget):
             f"batch {self.batch.value} × {heads} head{'s' if heads > 1 else ''}, "
             f"d = {self.head_dim.value}, "
             f"{self.dtype.value}: naive attention runs out of {spec.name} memory at "
-            f"N ≈ {self.max_n:,}", fontsize=10)
+            f"N ≈ {self.max_n:,}", fontsize=TITLE_FONTSIZE)
         self.summary.value = (
             f"At N = {self.seq_len.value:,}: score matrices "
             f"<b>{costmodel.format_bytes(self.memory.score_bytes)}</b>, Q/K/V/O "
             f"<b>{costmodel.format_bytes(self.memory.linear_bytes)}</b> — "
             f"{verdict} "
             f"{spec.name}'s {spec.memory_gb:g} GB.")
-        self._redraw()
-
-    def _redraw(self) -> None:
-        show_in_output(self.output, self.fig)
+        self._render()
 
     def widget(self):
         """The controls, a one-line summary and the figure, as one ipywidgets box."""
         import ipywidgets as W
 
         return W.VBox([W.HBox([W.VBox(self.controls[:4]), W.VBox(self.controls[4:])]),
-                       self.summary, self.output])
+                       self.summary, self.image])
 

@@ -13,6 +13,8 @@ Testable without a browser::
     w.seq_len.value = 16384
     w.points["softmax"]            # (intensity, attainable FLOP/s)
     w.memory_bound["softmax"]      # True
+
+The figure is rendered to PNG in ``w.image`` after every change (see ``_display``).
 """
 
 from __future__ import annotations
@@ -20,21 +22,17 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import costmodel, hardware
-from course_lib.widgets._display import DisplaysAsWidget, show_in_output
+from course_lib.widgets._display import (SMALL_FONTSIZE, TITLE_FONTSIZE, FigureWidget,
+                                        control_layout)
 
-__all__ = ["RooflineWidget", "SEQ_LENS", "HEAD_DIMS", "FIGSIZE", "REFERENCE_MATMUL",
-           "label_collides"]
+__all__ = ["RooflineWidget", "SEQ_LENS", "HEAD_DIMS", "REFERENCE_MATMUL", "label_collides"]
 
-FIGSIZE = (9, 4.5)
 SEQ_LENS = [2**p for p in range(7, 18)]  # 128 … 131,072
 HEAD_DIMS = [32, 64, 80, 96, 128, 256]
 DTYPES = ["float16", "bfloat16", "float32"]
 REFERENCE_MATMUL = 8192  # the reading's "large matmul" (8192 × 8192) · (8192 × 8192)
 _INTENSITY_RANGE = (0.05, 1e4)  # FLOP/byte shown on the x axis
 MEMORY_COLOR, COMPUTE_COLOR = "tab:red", "tab:green"
-LABEL_WIDTH = "130px"  # every slider's label: the tracks start at one x
-SLIDER_WIDTH = "420px"  # label, track and read-out
-DROPDOWN_LABEL_WIDTH = "50px"
 # Where a point's label may go, in order of preference: (offset in points, ha, va). Points on the
 # slope read best with the label below-right of them (under the roof, clear of the balance line);
 # points on the flat roof with it above (over the roof) or below-right. The first place that
@@ -91,7 +89,7 @@ def label_collides(box, axes_box, balance_x: float, roof_px, markers_px, others)
     return any(grown.overlaps(other) for other in others)
 
 
-class RooflineWidget(DisplaysAsWidget):
+class RooflineWidget(FigureWidget):
     """Roofline of a GPU with the five kernels of standard attention on it.
 
     Attributes:
@@ -101,38 +99,30 @@ class RooflineWidget(DisplaysAsWidget):
         memory_bound: ``{step: bool}``.
         balance: the GPU's balance point for the dtype, FLOP/byte.
         fig, ax, ax_time; ``markers[step]`` the Line2D of each point; ``roof`` the roof line.
+        table: the per-step costs (HTML); image: the rendered figure (PNG bytes in ``.value``).
     """
 
     def __init__(self, seq_len: int = 1024, head_dim: int = 64, dtype: str = "float16",
                  gpu: str = hardware.DEFAULT_GPU):
         import ipywidgets as W
-        import matplotlib.pyplot as plt
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         if seq_len not in SEQ_LENS:
             raise ValueError(f"seq_len must be a power of two from {SEQ_LENS[0]} to "
                              f"{SEQ_LENS[-1]}, got {seq_len!r}")
-        style = {"description_width": LABEL_WIDTH}
-        wide = W.Layout(width=SLIDER_WIDTH)
         # (label, value) options: the read-out shows 131,072 like the titles; the value is the int
         self.seq_len = W.SelectionSlider(options=[(f"{n:,}", n) for n in SEQ_LENS],
                                          value=seq_len, description="sequence length N",
-                                         style=style, layout=wide)
+                                         **control_layout())
         self.head_dim = W.SelectionSlider(options=HEAD_DIMS, value=head_dim,
-                                          description="head dim d", style=style, layout=wide)
-        dropdown_style = {"description_width": DROPDOWN_LABEL_WIDTH}
+                                          description="head dim d", **control_layout())
         self.dtype = W.Dropdown(options=DTYPES, value=hardware.normalize_dtype(dtype),
-                                description="dtype", style=dropdown_style)
+                                description="dtype", **control_layout())
         self.gpu = W.Dropdown(options=hardware.gpu_names(), value=hardware.get_gpu(gpu).name,
-                              description="GPU", style=dropdown_style)
+                              description="GPU", **control_layout())
         self.table = W.HTML()
-        self.output = W.Output()
 
-        with plt.ioff():
-            self.fig, (self.ax, self.ax_time) = plt.subplots(
-                1, 2, figsize=FIGSIZE, layout="constrained", gridspec_kw={"width_ratios": [3, 2]})
-        plt.close(self.fig)
-        FigureCanvasAgg(self.fig)  # closing left a bare canvas; labels are placed with Agg's
+        self.ax, self.ax_time = self._new_figure().subplots(
+            1, 2, gridspec_kw={"width_ratios": [3, 2]})
         ax = self.ax
         self.roof = ax.plot([], [], color="black", lw=2, label="roofline")[0]
         self.balance_line = ax.axvline(1, color="tab:gray", ls="--", lw=1)
@@ -141,7 +131,8 @@ class RooflineWidget(DisplaysAsWidget):
         for name in (*costmodel.STEPS, "matmul"):
             self.markers[name] = ax.plot([], [], "o", ms=8, mec="black")[0]
             self.labels[name] = ax.annotate("", (1, 1), textcoords="offset points",
-                                            xytext=_SLOPE_PLACES[0][0], fontsize=8)
+                                            xytext=_SLOPE_PLACES[0][0],
+                                            fontsize=SMALL_FONTSIZE)
             self.labels[name].set_in_layout(False)  # placed after the layout, not part of it
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -201,11 +192,11 @@ class RooflineWidget(DisplaysAsWidget):
         self.ax.set_xlim(*_INTENSITY_RANGE)
         self.ax.set_ylim(roof[0] / hardware.TERA / 2, peak / hardware.TERA * 3)
         self.ax.set_title(f"{spec.name}, {dtype}: balance point {self.balance:.0f} FLOP/byte\n"
-                          f"red = memory-bound, green = compute-bound", fontsize=10)
+                          f"red = memory-bound, green = compute-bound", fontsize=TITLE_FONTSIZE)
         self._draw_times(spec, dtype)
         self._place_labels()
         self._fill_table(spec, dtype)
-        self._redraw()
+        self._render()
 
     def _step_times(self, spec, dtype):
         """{step: (memory time s, compute time s)} as the roofline predicts, per head."""
@@ -226,9 +217,10 @@ class RooflineWidget(DisplaysAsWidget):
         ax.set_yticks(y, [self.costs[n].label for n in names])
         ax.set_xlabel("predicted time per head (µs)")
         # below the axes: inside, it covered the bottom bars
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2, fontsize=8,
-                  frameon=False)
-        ax.set_title(f"N={self.seq_len.value:,}, d={self.head_dim.value}", fontsize=10)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2,
+                  fontsize=SMALL_FONTSIZE, frameon=False)
+        ax.set_title(f"N={self.seq_len.value:,}, d={self.head_dim.value}",
+                     fontsize=TITLE_FONTSIZE)
         self.times = times
 
     def _place_labels(self) -> None:
@@ -300,13 +292,10 @@ class RooflineWidget(DisplaysAsWidget):
             f'<caption style="caption-side: top; text-align: left; padding-bottom: 4px;">'
             f"{caption}</caption><tr>{header}</tr>{rows}</table>")
 
-    def _redraw(self) -> None:
-        show_in_output(self.output, self.fig)
-
     def widget(self):
         """Controls, figure and a per-step table, as one ipywidgets box."""
         import ipywidgets as W
 
         return W.VBox([W.HBox([W.VBox(self.controls[:2]), W.VBox(self.controls[2:])]),
-                       self.output, self.table])
+                       self.image, self.table])
 

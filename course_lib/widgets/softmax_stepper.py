@@ -10,9 +10,8 @@ and *Reset* buttons. After each tile the figure shows
 
 and a line of text gives the numbers of the last update. The widget works without a browser:
 ``click()`` the buttons or set ``slider.value`` and read :attr:`tiles_done`, :attr:`m`, :attr:`l`,
-:meth:`current_weights` or the figure's artists. The figure is a plain
-:class:`matplotlib.figure.Figure` (not registered with pyplot, so it is never shown twice) that is
-rendered to PNG into an :class:`ipywidgets.Image` after every change.
+:meth:`current_weights` or the figure's artists. The figure is rendered to PNG into
+:attr:`image` after every change (see ``_display``).
 
 Usage::
 
@@ -25,14 +24,11 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from course_lib.softmax import safe_softmax, trace_online_softmax
-from course_lib.widgets._display import DisplaysAsWidget, figure_png
+from course_lib.widgets._display import (PANEL_TITLE_FONTSIZE, SMALL_FONTSIZE, FigureWidget,
+                                        control_layout)
 
-FIGSIZE = (9.0, 4.5)  # inches
-DPI = 100
 RANDOM_LENGTH = 12  # scores in a random row
 RANDOM_SCALE = 2.0  # standard deviation of random scores: enough spread for visible weights
 LARGE_LOGIT = 1000.0  # where the "large logits" row sits: exp(1000) overflows even float64
@@ -78,7 +74,7 @@ def _bar_base(row: np.ndarray) -> float:
     return low
 
 
-class SoftmaxStepper(DisplaysAsWidget):
+class SoftmaxStepper(FigureWidget):
     """Tile-by-tile online softmax of one row, with buttons, a slider and a live figure.
 
     Args:
@@ -97,24 +93,21 @@ class SoftmaxStepper(DisplaysAsWidget):
         self._syncing = False
 
         self.preset = widgets.Dropdown(options=PRESETS, value=preset, description="Input row",
-                                       layout=widgets.Layout(width="380px"),
-                                       style={"description_width": "80px"})
+                                       **control_layout())
         self.new_row_button = widgets.Button(description="New random row", icon="random")
         self.block_slider = widgets.IntSlider(value=1, min=1, max=len(self.row),
                                               description="Block size", continuous_update=False,
-                                              style={"description_width": "80px"})
+                                              **control_layout())
         self.next_button = widgets.Button(description="Next tile", icon="step-forward",
                                           button_style="primary")
         self.reset_button = widgets.Button(description="Reset", icon="undo")
         self.status = widgets.HTML()
-        self.image = widgets.Image(format="png", layout=widgets.Layout(width="900px"))
+        self._new_figure(layout=None)  # the axes are placed by hand below
         self.widget = widgets.VBox([
             widgets.HBox([self.preset, self.new_row_button]),
             widgets.HBox([self.block_slider, self.next_button, self.reset_button]),
             self.status, self.image])
 
-        self.fig = Figure(figsize=FIGSIZE, dpi=DPI)
-        FigureCanvasAgg(self.fig)
         grid = self.fig.add_gridspec(2, 2, width_ratios=(1.7, 1.0), left=0.08, right=0.98,
                                      bottom=0.11, top=0.94, wspace=0.18, hspace=0.12)
         self.ax_scores = self.fig.add_subplot(grid[0, 0])
@@ -267,9 +260,10 @@ class SoftmaxStepper(DisplaysAsWidget):
             edges = [self._steps[0].start - 0.5] + [s.stop - 0.5 for s in self._steps[:self.tiles_done]]
             ax.stairs(ms, edges, baseline=None, color="tab:red", linewidth=2,
                       label="running max m")
-            ax.legend(loc="best", fontsize=8)
+            ax.legend(loc="best", fontsize=SMALL_FONTSIZE)
         ax.set_ylabel("score x")
-        ax.set_title("scores: seen (blue), current tile (orange), not yet read (grey)", fontsize=9)
+        ax.set_title("scores: seen (blue), current tile (orange), not yet read (grey)",
+                     fontsize=PANEL_TITLE_FONTSIZE)
         ax.tick_params(labelbottom=False)
 
         ax = self.ax_weights
@@ -283,7 +277,7 @@ class SoftmaxStepper(DisplaysAsWidget):
             ax.set_xticks(x)
         ax.set_xlabel("position j in the row")
         ax.set_ylabel("weight")
-        ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="best", fontsize=SMALL_FONTSIZE)
 
         ax = self.ax_state
         ax.clear()
@@ -299,10 +293,6 @@ class SoftmaxStepper(DisplaysAsWidget):
         top = max([s.l_new for s in self._steps] + [1.0])
         ax.set_ylim(0, 1.1 * top)
         ax.set_xlabel("after tile")
-        ax.set_title("state after each tile", fontsize=9)
-        ax.legend(loc="best", fontsize=8)
+        ax.set_title("state after each tile", fontsize=PANEL_TITLE_FONTSIZE)
+        ax.legend(loc="best", fontsize=SMALL_FONTSIZE)
         self._render()
-
-    def _render(self) -> None:
-        self.image.value = figure_png(self.fig, DPI)
-

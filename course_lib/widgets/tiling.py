@@ -17,9 +17,10 @@ and a line of text gives the step and the counters, FLOPs included.
 
 The event list comes from :func:`course_lib.iomodel.tile_events`, a dry run that only adds up
 counts (the tests check it against the real NumPy run's counter), so a grid of 64 × 64 tiles
-takes a few milliseconds to prepare; each step redraws one ``imshow`` array per panel. The widget
-works without a browser: call :meth:`step`, :meth:`reset`, set ``play.value`` or a slider's
-``value`` and read :attr:`position`, :meth:`grid_state` or the artists' data.
+takes a few milliseconds to prepare; each step redraws one ``imshow`` array per panel and renders
+the figure to PNG into :attr:`image` (see ``_display``). The widget works without a browser: call
+:meth:`step`, :meth:`reset`, set ``play.value`` or a slider's ``value`` and read :attr:`position`,
+:meth:`grid_state` or the artists' data.
 
 Usage::
 
@@ -32,25 +33,20 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from course_lib import iomodel
-from course_lib.widgets._display import DisplaysAsWidget, figure_png
+from course_lib.widgets._display import (PANEL_TITLE_FONTSIZE, SMALL_FONTSIZE, FigureWidget,
+                                        control_layout)
 
-FIGSIZE = (9.0, 4.5)  # inches
-DPI = 100
 PLAY_INTERVAL_MS = 250  # one tile every quarter second when playing
 MAX_TICKS = 8  # per axis
 IO_MAX_TICKS = 5  # on the traffic panel's count axis
 IO_HEADROOM = 1.08  # the traffic axis ends a little past the largest bar or tick
 BAR_HEIGHT = 0.45  # of the traffic bars, rows one apart
-LABEL_WIDTH = "150px"  # one description width for every labelled control: the tracks line up
-CONTROL_WIDTH = "430px"  # label, track and read-out of one control; two fit side by side
 BUTTON_WIDTH = "130px"  # of the loop-order buttons: their labels fit
 
 # Slider ranges: the largest grid is MAX_SEQ_LEN / MIN_BLOCK = 64 tiles per side.
@@ -79,7 +75,7 @@ def _fmt(n: float) -> str:
     return f"{n:.0f}"
 
 
-class TilingSimulator(DisplaysAsWidget):
+class TilingSimulator(FigureWidget):
     """Replays the tile schedule of FA1 or FA2 on an ``N × N`` score matrix.
 
     Args:
@@ -89,27 +85,20 @@ class TilingSimulator(DisplaysAsWidget):
 
     def __init__(self, seq_len: int = 200, block_m: int = 64, block_n: int = 32,
                  head_dim: int = 64, order: str = "fa2", causal: bool = False):
-        style = {"description_width": LABEL_WIDTH}
         self.seq_len = widgets.IntSlider(value=seq_len, min=MIN_SEQ_LEN, max=MAX_SEQ_LEN,
                                          step=SEQ_LEN_STEP, description="Sequence length N",
-                                         continuous_update=False, style=style,
-                                         layout=widgets.Layout(width=CONTROL_WIDTH))
+                                         continuous_update=False, **control_layout())
         self.block_m = widgets.IntSlider(value=block_m, min=MIN_BLOCK, max=MAX_BLOCK,
                                          step=BLOCK_STEP, description="BLOCK_M (B_r)",
-                                         continuous_update=False, style=style,
-                                         layout=widgets.Layout(width=CONTROL_WIDTH))
+                                         continuous_update=False, **control_layout())
         self.block_n = widgets.IntSlider(value=block_n, min=MIN_BLOCK, max=MAX_BLOCK,
                                          step=BLOCK_STEP, description="BLOCK_N (B_c)",
-                                         continuous_update=False, style=style,
-                                         layout=widgets.Layout(width=CONTROL_WIDTH))
+                                         continuous_update=False, **control_layout())
         self.head_dim = widgets.Dropdown(options=HEAD_DIMS, value=head_dim,
-                                         description="Head dim d", style=style,
-                                         layout=widgets.Layout(width=CONTROL_WIDTH))
+                                         description="Head dim d", **control_layout())
         self.order = widgets.ToggleButtons(options=ORDERS, value=order, description="Loop order",
                                            tooltips=ORDER_TOOLTIPS,
-                                           style={"description_width": LABEL_WIDTH,
-                                                  "button_width": BUTTON_WIDTH},
-                                           layout=widgets.Layout(width=CONTROL_WIDTH))
+                                           **control_layout(button_width=BUTTON_WIDTH))
         # ipywidgets stacks a ToggleButtons' label above its buttons; the class the sliders and
         # dropdowns carry puts it inline and right-aligned like theirs
         self.order.add_class("widget-inline-hbox")
@@ -120,7 +109,7 @@ class TilingSimulator(DisplaysAsWidget):
         self.play = widgets.Play(value=0, min=0, max=1, step=1, interval=PLAY_INTERVAL_MS,
                                  description="Play", show_repeat=False)
         self.status = widgets.HTML()
-        self.image = widgets.Image(format="png", layout=widgets.Layout(width="900px"))
+        self._new_figure()
         self.widget = widgets.VBox([
             widgets.HBox([self.seq_len, self.head_dim]),
             widgets.HBox([self.block_m, self.block_n]),
@@ -128,8 +117,6 @@ class TilingSimulator(DisplaysAsWidget):
             widgets.HBox([self.step_button, self.play, self.reset_button]),
             self.status, self.image])
 
-        self.fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-        FigureCanvasAgg(self.fig)
         grid = self.fig.add_gridspec(2, 3, width_ratios=(0.06, 1.0, 0.95),
                                      height_ratios=(0.06, 1.0))
         self.ax_grid = self.fig.add_subplot(grid[1, 1])
@@ -286,7 +273,7 @@ class TilingSimulator(DisplaysAsWidget):
         self.ax_kv.tick_params(labelbottom=False)
         self.ax_grid.tick_params(labelleft=False)
         self.ax_kv.set_title("score tiles: in SRAM now (orange), done (blue), skipped (dark), "
-                             "to do (light)", fontsize=9)
+                             "to do (light)", fontsize=PANEL_TITLE_FONTSIZE)
 
         # Linear scale: a bar's length is its share, so 11 k of 1.45 M reads looks like 1%.
         y = np.arange(2)  # row 0 (reads) at the top: the axis is inverted
@@ -300,7 +287,7 @@ class TilingSimulator(DisplaysAsWidget):
                                                 linewidth=2.5, zorder=3)
         # the numbers above each bar: "<so far> of <total>; standard attention <its total>"
         self.io_texts = [self.ax_io.annotate("", (0, row - BAR_HEIGHT / 2), xytext=(4, 3),
-                                             textcoords="offset points", fontsize=8,
+                                             textcoords="offset points", fontsize=SMALL_FONTSIZE,
                                              va="bottom", ha="left") for row in y]
         self.ax_io.set_yticks(y, ["HBM\nreads", "HBM\nwrites"])
         self.ax_io.set_ylim(len(y) - 0.5, -0.8)  # inverted, with room above row 0 for its text
@@ -309,14 +296,14 @@ class TilingSimulator(DisplaysAsWidget):
         self.ax_io.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _fmt(x)))
         self.ax_io.set_xlabel("elements moved (linear scale)")
         self.ax_io.set_title(f"HBM traffic, N = {self.seq_len.value}, d = {self.head_dim.value}",
-                             fontsize=9)
+                             fontsize=PANEL_TITLE_FONTSIZE)
         # legend from proxies: the ticks' own artists would draw a giant marker in the legend
         handles = [Patch(color="tab:blue", label=f"{algo} so far"),
                    Patch(color="tab:blue", alpha=0.25, label=f"{algo} total"),
                    Line2D([], [], color="black", marker="|", linestyle="none", markersize=10,
                           markeredgewidth=2.5, label="standard attention total")]
         self.ax_io.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16),
-                          fontsize=8, ncol=2, frameon=False)
+                          fontsize=SMALL_FONTSIZE, ncol=2, frameon=False)
 
     def _algo_name(self) -> str:
         return self.order.value.upper()
@@ -358,7 +345,3 @@ class TilingSimulator(DisplaysAsWidget):
             bar.set_width(so_far)
             text.set_text(f"{_fmt(so_far)} of {_fmt(total)}  (standard attention: {_fmt(std)})")
         self._render()
-
-    def _render(self) -> None:
-        self.image.value = figure_png(self.fig, DPI)
-
