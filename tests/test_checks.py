@@ -1,5 +1,9 @@
 """The exercise-check machinery: three outcomes, and survival of any learner code."""
 
+import io
+import os
+import signal
+import sys
 import time
 
 import numpy as np
@@ -152,3 +156,179 @@ def test_mistake_that_produces_nan_is_still_named():
     msg = str(info.value)
     assert "NaN/inf where the answer is finite" in msg  # never accepted as right
     assert "likely cause: query 0 sees no key" in msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Learner code that exits, interrupts, changes its inputs or prints a flood: one diagnosis each,
+# and the next check in the same process works as if nothing happened.
+
+MAX_MESSAGE_CHARS = 5_000  # a diagnosis is a few lines, whatever the learner printed
+FLOOD_CHARS = 10**7  # what the flooding learners print (10 MB), far above OUTPUT_KEEP_CHARS
+
+
+def _assert_next_check_passes(capsys):
+    """A correct answer checked right after passes, prints only its line, and the process is
+    back as it was: stdout, the time limit's signal handlers and timer."""
+    alarm_handler = signal.getsignal(signal.SIGALRM)
+    int_handler = signal.getsignal(signal.SIGINT)
+    assert not isinstance(sys.stdout, checks.CapturedOutput)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert check_function("Exercise 9.9", lambda x: ref(x), ref, cases()) is not None
+    assert capsys.readouterr().out.splitlines() == ["✓ Exercise 9.9: passed (2 cases)."]
+    assert signal.getsignal(signal.SIGALRM) is alarm_handler
+    assert signal.getsignal(signal.SIGINT) is int_handler
+    with pytest.raises(ExerciseFailed, match="stopped after 0.2 s"):  # the time limit still bites
+        check_function("Exercise 9.9", _forever, ref, cases(), time_limit=0.2)
+
+
+def _forever(x):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("code, shown", [(None, "SystemExit (line"), (0, "SystemExit: 0"),
+                                         (3, "SystemExit: 3"), ("bye", "SystemExit: bye")])
+def test_sys_exit_is_a_diagnosis_not_the_end(code, shown, capsys):
+    def exits(x):
+        sys.exit(code)
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", exits, ref, cases())
+    msg = str(info.value)
+    assert msg.startswith("✗ Exercise 9.9: your function called sys.exit() on case 1"), msg
+    assert shown in msg and "sys.exit(code)" in msg and "return its result" in msg
+    assert len(msg.splitlines()) == 3
+    _assert_next_check_passes(capsys)
+
+
+def test_keyboard_interrupt_raised_by_the_learner_is_a_diagnosis(capsys):
+    def interrupts(x):
+        raise KeyboardInterrupt
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", interrupts, ref, cases())
+    msg = str(info.value)
+    assert msg.startswith("✗ Exercise 9.9: your function raised KeyboardInterrupt on case 1"), msg
+    assert "raise KeyboardInterrupt" in msg and "raise an ordinary exception" in msg
+    _assert_next_check_passes(capsys)
+
+
+def test_a_real_interrupt_still_stops_the_check(capsys):
+    def pressed_interrupt(x):  # what Jupyter's Interrupt button does: SIGINT to the process
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler runs before this ends
+    with pytest.raises(KeyboardInterrupt) as info:
+        check_function("Exercise 9.9", pressed_interrupt, ref, cases())
+    assert not isinstance(info.value, ExerciseFailed)
+    _assert_next_check_passes(capsys)
+
+
+def test_global_settings_changed_by_the_learner_are_restored(capsys):
+    errors, dtype = np.geterr(), torch.get_default_dtype()
+
+    def meddles(x):
+        np.seterr(all="raise")
+        torch.set_default_dtype(torch.float64 if dtype != torch.float64 else torch.float32)
+        torch.set_grad_enabled(False)
+        sys.stdout = sys.stderr = io.StringIO()
+        sys.exit(0)
+    with pytest.raises(ExerciseFailed, match="called sys.exit"):
+        check_function("Exercise 9.9", meddles, ref, cases())
+    assert np.geterr() == errors and torch.get_default_dtype() == dtype
+    assert torch.is_grad_enabled()
+    _assert_next_check_passes(capsys)
+
+
+def _halve_in_place(x):
+    x *= 0.5  # the classic: an in-place update of an input
+    return ref(2 * x)
+
+
+def test_in_place_change_of_a_numpy_input_is_named(capsys):
+    inputs = cases()
+    before = [c.args[0].copy() for c in inputs]
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", _halve_in_place, ref, inputs)
+    msg = str(info.value)
+    assert msg.startswith("✗ Exercise 9.9: your function changed its input `x` in place on case 1"), msg
+    assert "`x = x * s` rather than `x *= s`" in msg and len(msg.splitlines()) == 2
+    assert all(np.array_equal(c.args[0], b) for c, b in zip(inputs, before))  # not poisoned
+    _assert_next_check_passes(capsys)
+
+
+def tref_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def tcases():
+    gen = torch.Generator().manual_seed(9)
+    return [Case(tuple(torch.randn(n, 4, generator=gen) for n in (5, 7, 7)), label="5×7")]
+
+
+def test_in_place_change_of_a_tensor_input_is_named(capsys):
+    def zeroes_v(q, k, v):
+        out = tref_attention(q, k, v)
+        v[0] = 0  # correct output, but v is changed
+        return out
+    inputs = tcases()
+    v_before = inputs[0].args[2].clone()
+    with pytest.raises(ExerciseFailed, match="your function changed its input `v` in place"):
+        check_function("Exercise 9.9", zeroes_v, tref_attention, inputs)
+    assert torch.equal(inputs[0].args[2], v_before)
+    _assert_next_check_passes(capsys)
+
+
+def test_arguments_the_exercise_may_update_are_exempt(capsys):
+    def accumulate(acc, x):
+        return acc + x
+
+    def learner(acc, x):
+        acc += x  # allowed: the contract lets acc be updated
+        return acc
+    acc = np.zeros(3)
+    inputs = [Case((acc, np.arange(3.0))), Case((acc, np.ones(3)))]
+    assert check_function("Exercise 9.9", learner, accumulate, inputs, writable=("acc",)) is learner
+    assert not acc.any()  # still the original zeros: each call got its own copy
+    with pytest.raises(ExerciseFailed, match="changed its input `acc` in place"):
+        check_function("Exercise 9.9", learner, accumulate, inputs)
+    capsys.readouterr()
+    _assert_next_check_passes(capsys)
+
+
+def test_a_flood_of_output_on_a_wrong_answer_is_cut_to_an_excerpt(capsys):
+    def floods(x):
+        print("x" * FLOOD_CHARS)
+        print("never shown", file=sys.stderr)
+        return np.exp(x)
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", floods, ref, cases())
+    msg = str(info.value)
+    assert len(msg) < MAX_MESSAGE_CHARS
+    assert "wrong answer on case 1" in msg and "your function printed 10.0 MB:" in msg
+    assert "  | xxxx" in msg and "… 10.0 MB more output hidden" in msg
+    captured = capsys.readouterr()
+    assert "xxxx" not in captured.out + captured.err and "never shown" not in captured.err
+    _assert_next_check_passes(capsys)
+
+
+def test_a_flood_of_output_on_a_pass_is_cut_to_an_excerpt(capsys):
+    def chatty(x):
+        for i in range(FLOOD_CHARS // 100):
+            print(f"{i:>6} " + "." * 93)  # 100-character lines
+        return ref(x)
+    assert check_function("Exercise 9.9", chatty, ref, cases()) is chatty
+    out = capsys.readouterr().out
+    assert len(out) < MAX_MESSAGE_CHARS
+    lines = out.splitlines()
+    assert lines[0] == "✓ Exercise 9.9: passed (2 cases)."
+    assert lines[1] == "  your function printed 20.2 MB:" and lines[2].startswith("  |      0 ....")
+    assert lines[-1].startswith("  … ") and lines[-1].endswith(" MB more output hidden")
+    assert len(lines) == 2 + checks.OUTPUT_EXCERPT_LINES + 1
+    _assert_next_check_passes(capsys)
+
+
+def test_a_short_print_is_shown_in_full(capsys):
+    def prints_shape(x):
+        print(x.shape)
+        return ref(x)
+    check_function("Exercise 9.9", prints_shape, ref, cases())
+    assert capsys.readouterr().out.splitlines() == [
+        "✓ Exercise 9.9: passed (2 cases).", "  your function printed:", "  | (3, 7)", "  | (5, 13)"]

@@ -5,6 +5,8 @@ read as "not done yet"; nothing a learner writes may crash the check, hang it, o
 (the guarded runs give every tensor a margin).
 """
 
+import sys
+
 import pytest
 
 from course_lib import runtime
@@ -106,6 +108,15 @@ def add_forever(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
     tl.store(out_ptr + tl.arange(0, BLOCK_SIZE), tl.zeros([BLOCK_SIZE], tl.float32))
 
 
+@triton.jit
+def add_into_x(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    total = tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask)
+    tl.store(x_ptr + offsets, total, mask=mask)  # x_ptr where out_ptr was meant
+    tl.store(out_ptr + offsets, total, mask=mask)
+
+
 def test_library_add_kernel_passes(capsys):
     assert ch05.check_add_kernel(primer.add_kernel) is primer.add_kernel
     assert "✓ Exercise 5.1: passed" in capsys.readouterr().out
@@ -124,6 +135,7 @@ def test_add_stub_is_not_done_and_falls_back(capsys):
     (add_wrong_axis, ("never written", "pid * BLOCK_SIZE")),
     (add_x_twice, ("likely cause: x is loaded twice",)),
     (add_typo, ("NameError", "offset", "is not defined")),
+    (add_into_x, ("your kernel wrote into its input `x`", "case 1 of 5")),
 ], ids=lambda v: getattr(v, "__name__", "")[:30])
 def test_add_mistakes_are_rejected_with_their_cause(kernel, fragments):
     _rejected(ch05.check_add_kernel, kernel, *fragments)
@@ -139,6 +151,63 @@ def test_add_kernel_that_loops_forever_is_stopped():
         ch05.check_kernel("Exercise 5.1", add_forever, ch05.add_runner(add_forever),
                           primer.vector_add_reference, ch05._add_cases("cpu"),
                           fallback=primer.add_kernel, time_limit=1)
+
+
+# Kernels that exit, interrupt or print a flood (Python statements run as such only in the
+# interpreter; on a GPU the compiler rejects them, which the mistakes above already cover)
+
+ONLY_INTERPRETED_REASON = "sys.exit, raise and print run as Python only in Triton's interpreter"
+FLOOD_CHARS = 300_000  # per program: 2.4 MB from the 8 programs of case 1, which is wrong
+MAX_MESSAGE_CHARS = 5_000
+
+
+@triton.jit
+def add_exits(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    sys.exit(0)
+
+
+@triton.jit
+def add_interrupts(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    raise KeyboardInterrupt
+
+
+@triton.jit
+def add_floods(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    print("x" * FLOOD_CHARS)  # a debugging print left in
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask)
+             + tl.load(x_ptr + offsets, mask=mask), mask=mask)  # and x loaded twice
+
+
+def _assert_library_kernel_passes_next(capsys):
+    capsys.readouterr()
+    assert ch05.check_add_kernel(primer.add_kernel) is primer.add_kernel
+    assert capsys.readouterr().out.splitlines() == ["✓ Exercise 5.1: passed (5 cases)."]
+
+
+@pytest.mark.skipif(runtime.current().on_gpu, reason=ONLY_INTERPRETED_REASON)
+@pytest.mark.parametrize("kernel, fragments", [
+    (add_exits, ("your kernel called sys.exit() on case 1", "SystemExit: 0", "sys.exit(0)")),
+    (add_interrupts, ("your kernel raised KeyboardInterrupt on case 1", "raise KeyboardInterrupt",
+                      "raise an ordinary exception")),
+], ids=["sys.exit", "KeyboardInterrupt"])
+def test_kernel_that_exits_or_interrupts_is_a_diagnosis(kernel, fragments, capsys):
+    _rejected(ch05.check_add_kernel, kernel, *fragments)
+    _assert_library_kernel_passes_next(capsys)
+
+
+@pytest.mark.skipif(runtime.current().on_gpu, reason=ONLY_INTERPRETED_REASON)
+def test_kernel_that_prints_a_flood_shows_an_excerpt(capsys):
+    with pytest.raises(ExerciseFailed) as info:
+        ch05.check_add_kernel(add_floods)
+    message = str(info.value)
+    assert len(message) < MAX_MESSAGE_CHARS
+    assert "likely cause: x is loaded twice" in message
+    assert "your kernel printed 2.4 MB:" in message and "MB more output hidden" in message
+    captured = capsys.readouterr()
+    assert "xxxx" not in captured.out + captured.err
+    _assert_library_kernel_passes_next(capsys)
 
 
 # ----------------------------------------------------------------------------------------------

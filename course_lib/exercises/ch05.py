@@ -23,6 +23,7 @@ power of two, ...).
 
 from __future__ import annotations
 
+import inspect
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -218,8 +219,18 @@ class GuardedRun:
     # explain_nonfinite(inputs, outputs) -> a likely cause, or None (e.g. by replaying mistakes)
     explain_nonfinite: Callable | None = None
 
+    def _input_names(self, n: int) -> list[str]:
+        """The launcher's names for its first ``n`` parameters (the inputs), e.g. ``x, y``."""
+        try:
+            names = list(inspect.signature(self.launch).parameters)
+        except (TypeError, ValueError):
+            names = []
+        return names[:n] if len(names) >= n else [f"#{i}" for i in range(1, n + 1)]
+
     def _launch(self, inputs, fill):
-        views = [embed(x, m, fill)[0] for x, m in zip(inputs, self.margins)]
+        embedded = [embed(x, m, fill) for x, m in zip(inputs, self.margins)]
+        views = [view for view, _ in embedded]
+        pristine = [buffer.clone() for _, buffer in embedded]  # to see a store into an input
         device = inputs[0].device
         outs = []
         for o in self.outputs:
@@ -233,6 +244,11 @@ class GuardedRun:
             self.launch(*views, *(v for v, _ in outs))
         if device.type == "cuda":
             torch.cuda.synchronize()
+        for name, (_, buffer), before in zip(self._input_names(len(inputs)), embedded, pristine):
+            if not checks.same_value(before, buffer):
+                raise KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+                                    f"read-only: tl.store only to the output pointer(s) (two "
+                                    f"pointer arguments swapped?)")
         return outs
 
     def __call__(self, *inputs):
@@ -291,6 +307,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
     """
     problem: list[str] = []
     cases = list(cases)
+    current: list[str] = []  # the case in hand, as the diagnosis names it
 
     def describe(args, kwargs):
         for n, case in enumerate(cases, 1):
@@ -298,11 +315,17 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                 return f"case {n} of {len(cases)}, {case.describe()}"
         return Case(args, kwargs).describe()
 
+    def tracked_reference(*args, **kwargs):
+        # check_function calls the reference on a case's own tensors just before it runs the
+        # learner's answer on copies of them (which identity cannot match to a case)
+        current[:] = [describe(args, kwargs)]
+        return reference(*args, **kwargs)
+
     def attempt(*args, **kwargs):
         try:
             return run(*args, **kwargs)
         except KernelProblem as exc:
-            problem.append(f"{exc}\n  on {describe(args, kwargs)}")
+            problem.append(f"{exc}\n  on {current[0]}")
             raise
         except Exception as exc:  # noqa: BLE001 - any learner error becomes a diagnosis
             chain = exception_chain(exc)
@@ -311,17 +334,22 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                     raise e from None
             if is_not_done(exc):
                 raise NotImplementedError(exercise) from None
-            problem.append(f"your kernel failed on {describe(args, kwargs)}"
+            problem.append(f"your kernel failed on {current[0]}"
                            f"\n  {summarize_kernel_error(exc)}")
             raise KernelProblem(problem[-1]) from None
+        # SystemExit and KeyboardInterrupt (BaseException, not Exception: Triton's interpreter
+        # does not wrap them) go on to check_function, which diagnoses them
 
+    output = checks.CapturedOutput()
     try:
-        result = checks.check_function(exercise, attempt, reference, cases, fallback=fallback,
-                                       tolerance=tolerance, mistakes=mistakes,
-                                       time_limit=time_limit or KERNEL_TIME_LIMIT_S)
+        result = checks.check_function(exercise, attempt, tracked_reference, cases,
+                                       fallback=fallback, tolerance=tolerance, mistakes=mistakes,
+                                       time_limit=time_limit or KERNEL_TIME_LIMIT_S,
+                                       subject="your kernel", output=output)
     except ExerciseFailed:
         if problem:
-            raise ExerciseFailed(f"✗ {exercise}: {problem[-1]}") from None
+            raise ExerciseFailed("\n".join([f"✗ {exercise}: {problem[-1]}",
+                                            *output.excerpt("your kernel")])) from None
         raise
     return answer if result is attempt else result
 
