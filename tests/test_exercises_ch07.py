@@ -293,3 +293,22 @@ def test_cases_are_irregular():
     assert any(c.args[0].shape[0] != c.args[4].shape[0] for c in steps)  # BLOCK_M != BLOCK_N
     assert any(c.args[9] is not None for c in steps) and any(c.args[9] is None for c in steps)
     assert any(c.args[0].dtype == np.float32 for c in steps)
+
+
+def test_dk_dv_step_may_accumulate_in_place_but_not_touch_q():
+    def in_place(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+        p = tb.recompute_p(q_i, k_j, lse_i, scale, mask)
+        dv_j += p.T @ do_i  # accumulating into the running gradients is allowed
+        dk_j += scale * (tb.ds_tile(p, do_i @ v_j.T, d_i).T @ q_i)
+        return dk_j, dv_j
+
+    assert ch07.check_dk_dv_step(in_place) is in_place
+
+    def scales_q(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+        q_i *= scale  # changes the caller's q tile
+        p = tb.recompute_p(q_i, k_j, lse_i, 1.0, mask)
+        ds = tb.ds_tile(p, do_i @ v_j.T, d_i)
+        return dk_j + ds.T @ q_i, dv_j + p.T @ do_i
+
+    with pytest.raises(ExerciseFailed, match=r"changed its input `q_i` in place"):
+        ch07.check_dk_dv_step(scales_q)
