@@ -9,6 +9,7 @@ kernel modules before their first ``@triton.jit``).
 Public API (a contract: tests outside the project call these names):
 
 - ``flash_attention(q, k, v, causal=False, scale=None)`` — Triton kernel, forward and backward.
+- ``flash_attention_with_lse(q, k, v, causal=False, scale=None)`` — forward only, ``(o, lse)``.
 - ``flash_attention_numpy(q, k, v, causal=False, scale=None, block_m=..., block_n=...)``.
 - ``flash_attention_numpy_backward(q, k, v, o, lse, do, causal=False, scale=None, ...)``.
 - ``online_softmax(x, block_size)``.
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (loaded lazily, so `import course_lib` decorates no kernel)
 _PUBLIC = {
     "flash_attention": "course_lib.kernels.api",
+    "flash_attention_with_lse": "course_lib.kernels.api",
     "flash_attention_numpy": "course_lib.tiled",
     "flash_attention_numpy_backward": "course_lib.tiled_backward",
     "online_softmax": "course_lib.softmax",

@@ -2,14 +2,26 @@
 
 This is the library's one deliberate side effect. Every notebook's first code cell calls
 :func:`setup`; every module that defines a ``@triton.jit`` kernel calls :func:`ensure_configured`
-before its first kernel, so the choice is made before any kernel is decorated (Triton reads the
-interpreter switch at decoration time, not at ``import triton``).
+before its first kernel, so the choice is made before any of *our* kernels is decorated.
+
+Why that alone is not enough: Triton reads the interpreter switch when ``@triton.jit`` decorates
+a function, and ``import triton`` already decorates Triton's own standard library (``tl.cdiv``,
+``tl.max``, ``tl.sum``, ``tl.zeros``, ... are ``@jit`` functions in ``triton.language``). A
+program that imported triton before the switch (a script that does ``import triton`` first, or a
+kernel module whose ``import triton`` runs before it calls :func:`ensure_configured`) holds a
+standard library compiled for the other mode: an interpreted kernel that calls ``tl.cdiv`` then
+fails with "Cannot call @triton.jit'd outside of the scope of a kernel", and a compiled kernel
+cannot call an interpreter function. So :func:`_set_interpreter` also re-decorates those
+standard-library functions for the chosen mode (:func:`_redecorate_triton_language`), with
+``triton.jit`` itself, exactly as importing triton after the switch would have. Import order no
+longer matters.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 
 GPU = "gpu"
@@ -69,13 +81,75 @@ def _set_interpreter(on: bool) -> None:
     # The environment variable covers triton versions that read it at decoration time; the knob
     # covers versions that cached it. Assign, never setdefault: an exported TRITON_INTERPRET=0
     # on a CPU-only machine would otherwise leave kernels unable to run.
+    already_imported = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1" if on else "0"
-    try:
-        import triton
+    import triton
 
-        triton.knobs.runtime.interpret = on
-    except (ImportError, AttributeError):  # pragma: no cover - older triton without knobs
-        pass
+    triton.knobs.runtime.interpret = on
+    if already_imported:  # triton's own @jit functions were decorated before the switch
+        _redecorate_triton_language(on)
+
+
+def _triton_jit_classes():
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction, InterpretedFunction
+
+
+def _jit_options(fn) -> dict:
+    """The keyword arguments ``triton.jit`` was given for ``fn`` (either class keeps them)."""
+    _, interpreted_cls = _triton_jit_classes()
+    if isinstance(fn, interpreted_cls):
+        return dict(fn.kwargs)
+    return {"version": fn.version, "do_not_specialize": fn.do_not_specialize,
+            "do_not_specialize_on_alignment": fn.do_not_specialize_on_alignment,
+            "debug": fn.debug, "noinline": fn.noinline, "repr": fn._repr,
+            "launch_metadata": fn.launch_metadata}
+
+
+def _redecorate_triton_language(on: bool) -> int:
+    """Re-decorate ``triton.language``'s own ``@jit`` functions for the mode just chosen.
+
+    Walks every loaded ``triton.language*`` module and the member functions of ``tl.tensor``
+    (``x.sum()`` is the same object as ``tl.sum``), and replaces each function decorated for the
+    other mode with ``triton.jit(fn.fn, **same options)``, called now that the switch is set. One
+    replacement per function, so ``tl.max`` and ``triton.language.standard.max`` stay the same
+    object. Returns how many functions were replaced (0 when they already match the mode).
+    """
+    import triton
+    import triton.language as tl
+
+    triton.knobs.runtime.interpret = on  # triton.jit below reads it to pick the class
+    jit_cls, interpreted_cls = _triton_jit_classes()
+    wrong = jit_cls if on else interpreted_cls
+    replaced: dict[int, object] = {}
+
+    def fixed(value):
+        if type(value) is not wrong:  # exact type: autotuners and heuristics wrap, they are not jit'd
+            return None
+        if id(value) not in replaced:
+            replaced[id(value)] = triton.jit(value.fn, **_jit_options(value))
+        return replaced[id(value)]
+
+    namespaces = [vars(m) for name, m in list(sys.modules.items())
+                  if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    for namespace in namespaces:
+        for name, value in list(namespace.items()):
+            new = fixed(value)
+            if new is not None:
+                namespace[name] = new
+    # Member functions (x.sum(), x.to(...)): triton's _tensor_member_fn stores a jit'd function
+    # itself, but an interpreted one inside a plain wrapper function. Re-register through it.
+    for name, value in list(vars(tl.core.tensor).items()):
+        inner = [c.cell_contents for c in (getattr(value, "__closure__", None) or ())
+                 if type(c.cell_contents) is wrong]
+        new = fixed(inner[0] if inner else value)
+        if new is not None:
+            tl.core._tensor_member_fn(new)
+            if getattr(tl.core.tensor, name) is value:  # registered under another name
+                setattr(tl.core.tensor, name, vars(tl.core.tensor)[new.__name__])
+    return len(replaced)
 
 
 def _versions() -> dict:

@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 
 from course_lib.checks import ExerciseFailed  # noqa: E402
 from course_lib.exercises import ch05, ch06  # noqa: E402
-from course_lib.kernels.forward import LOG2_E  # noqa: E402
+from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
 pytestmark = pytest.mark.ch06
 
@@ -243,8 +243,8 @@ def load_assumes_contiguous_rows(ptr, offs_rows, offs_d, stride_row, n_rows):
 
 
 @triton.jit
-def mask_ragged_uses_queries(s, offs_n, seq_len_k):
-    return tl.where(offs_n[:, None] < seq_len_k, s, float("-inf"))  # (BLOCK_N, 1): wrong axis
+def mask_ragged_uses_queries(s, offs_n, n_k):
+    return tl.where(offs_n[:, None] < n_k, s, float("-inf"))  # (BLOCK_N, 1): wrong axis
 
 
 @pytest.mark.parametrize("pieces, fragments", [
@@ -258,10 +258,10 @@ def test_ragged_variants_are_rejected(pieces, fragments):
 
 
 @triton.jit
-def kv_end_without_min(start_m, seq_len_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+def kv_end_without_min(start_m, n_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     if CAUSAL:
-        return start_m + BLOCK_M  # past seq_len_k for the late Q tiles: wasted, masked tiles
-    return seq_len_k
+        return start_m + BLOCK_M  # past n_k for the late Q tiles: wasted, masked tiles
+    return n_k
 
 
 def test_loop_that_visits_masked_tiles_is_rejected():

@@ -142,3 +142,89 @@ def test_scale_is_used(device):
     # an integer scale is a real number too
     ref2 = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
     assert torch.allclose(flash_attention(q, k, v, scale=1), ref2, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the autograd function saves: peer harnesses look for the log-sum-exp among saved tensors.
+
+
+@pytest.mark.parametrize("shape", [(37, 16), (2, 37, 16), (2, 3, 37, 16), (2, 2, 3, 37, 16)],
+                         ids=["2-dim", "3-dim", "4-dim", "5-dim"])
+def test_saved_tensors_have_the_inputs_leading_shape(shape, device):
+    import math
+
+    q, k, v = (torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
+    o = flash_attention(q, k, v, causal=True)
+    saved = o.grad_fn.saved_tensors
+    shapes = [tuple(t.shape) for t in saved]
+    assert shapes == [shape, shape, shape, shape, shape[:-1]], shapes  # q, k, v, o, lse
+    lse = saved[-1]
+    scores = (q @ k.transpose(-1, -2)).detach() / math.sqrt(shape[-1])
+    mask = torch.ones(shape[-2], shape[-2], dtype=torch.bool, device=device).tril()
+    ref = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    torch.testing.assert_close(lse, ref, atol=1e-4, rtol=1e-4)  # natural log, per query row
+    torch.testing.assert_close(saved[3], o.detach())
+    o.sum().backward()  # the backward reads them back in that shape
+    assert q.grad.shape == shape and k.grad.shape == shape and v.grad.shape == shape
+
+
+def test_with_lse_returns_the_leading_shape(device):
+    from course_lib import flash_attention_with_lse
+
+    q = torch.randn(2, 3, 29, 16, device=device)
+    o, lse = flash_attention_with_lse(q, q, q)
+    assert o.shape == (2, 3, 29, 16) and lse.shape == (2, 3, 29)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: non-finite values behave as in SDPA; wrong types get a TypeError naming the argument.
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_inputs_propagate_like_sdpa(bad, which, causal, device):
+    import warnings
+
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).to(device) for _ in range(3))
+    dict(q=q, k=k, v=v)[which][0, 1, 5, 3] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's "invalid value" in the interpreter
+        o = flash_attention(q, k, v, causal=causal)
+    # SDPA's default backend skips masked keys as a FlashAttention kernel does (its MATH backend
+    # instead adds a -inf bias to the NaN score of a masked key, and NaN + -inf is NaN)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.equal(o.isnan(), ref.isnan()), "NaN where SDPA has none, or the other way round"
+    assert torch.equal(o.isinf(), ref.isinf())
+    finite = torch.isfinite(ref)
+    assert finite.any()  # the other head is untouched
+    torch.testing.assert_close(o[finite], ref[finite], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+@pytest.mark.parametrize("bad, got", [
+    (lambda t: t.numpy(), "ndarray"),
+    (lambda t: t.tolist(), "list"),
+    (lambda t: 1.5, "float"),
+    (lambda t: None, "NoneType"),
+], ids=["numpy", "list", "float", "None"])
+def test_non_tensors_are_refused_naming_the_argument(arg, bad, got, device):
+    q, k, v = _qkv("cpu")
+    args = dict(q=q, k=k, v=v)
+    args[arg] = bad(args[arg])
+    args = {name: (x.to(device) if isinstance(x, torch.Tensor) else x) for name, x in args.items()}
+    with pytest.raises(TypeError, match=rf"^{arg} must be a torch.Tensor, got {got}$"):
+        flash_attention(**args)
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int32, torch.uint8])
+def test_non_float_tensors_are_refused_naming_the_argument(arg, dtype, device):
+    q, k, v = _qkv(device)
+    args = dict(q=q, k=k, v=v)
+    args[arg] = torch.ones(args[arg].shape, dtype=dtype, device=device)
+    with pytest.raises(TypeError, match=rf"^{arg} must be a floating-point tensor .*got {dtype}$"):
+        flash_attention(**args)

@@ -2,12 +2,17 @@
 
 Modules, in the order the chapters teach them:
 
-- :mod:`course_lib.kernels.tuning`   block sizes: one fixed config in the interpreter, an
-  autotuned set on the GPU.
+- :mod:`course_lib.kernels.tiles`    the ``@triton.jit`` tile helpers every kernel shares:
+  program → (batch, head, tile), tile pointers and masked loads, which tiles need a mask, the
+  online-softmax step; the constants as ``tl.constexpr``.
+- :mod:`course_lib.kernels.teaching` chapter 06's teaching kernel, built from the pieces the
+  learner writes, and its launcher :func:`~course_lib.kernels.teaching.forward`.
+- :mod:`course_lib.kernels.tuning`   block sizes: one fixed config in the interpreter, a table
+  measured on an H100 for the GPU (autotuning is opt-in).
 - :mod:`course_lib.kernels.forward`  the forward kernel (one Q tile per program, loop over K/V
   tiles, online softmax in registers) and :func:`~course_lib.kernels.forward.attention_forward`.
-- :mod:`course_lib.kernels.backward` the backward kernels (D = rowsum(dO∘O); dK/dV; dQ) and
-  :func:`~course_lib.kernels.backward.attention_backward`.
+- :mod:`course_lib.kernels.backward` the backward kernels (delta = rowsum(dO∘O), the paper's D;
+  dK/dV; dQ) and :func:`~course_lib.kernels.backward.attention_backward`.
 - :mod:`course_lib.kernels.api`      input checks, the ``torch.autograd.Function`` and the public
   :func:`~course_lib.kernels.api.flash_attention`.
 

@@ -27,12 +27,11 @@ import numbers
 import torch
 
 from course_lib import runtime
+from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
 from course_lib.kernels.backward import attention_backward
 from course_lib.kernels.forward import attention_forward
 from course_lib.reference import default_scale
 
-MIN_HEAD_DIM = 16  # tl.dot needs tiles at least 16 wide
-MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator already fills a program's registers
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETER_ONLY_DTYPES = (torch.float64,)
 # Offsets inside the kernels are 32-bit integers: refuse tensors that span more elements.
@@ -114,21 +113,34 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-3:])
 
 
+def _forward(q, k, v, causal: bool, scale: float):
+    """``(o, lse)`` shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``."""
+    o4, lse = attention_forward(as_4d(q), as_4d(k), as_4d(v), causal, scale)
+    return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd glue: the forward kernel saves ``lse``; the backward kernels use it."""
+    """Autograd glue: the forward saves ``q, k, v, o, lse``; the backward kernels use them.
+
+    What is saved has the inputs' leading shape, as other FlashAttention autograd functions save
+    it: ``o`` ``(..., N_q, d)`` and the natural-log ``lse`` ``(..., N_q)`` (``(B, N_q)`` for
+    ``(B, N, d)`` inputs), so harnesses that look for the log-sum-exp among
+    ``ctx.saved_tensors`` find it.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
-        o4, lse = attention_forward(as_4d(q), as_4d(k), as_4d(v), causal, scale)
-        ctx.save_for_backward(q, k, v, o4, lse)
+        o, lse = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
-        return o4.reshape(q.shape)
+        return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o4, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(as_4d(do), as_4d(q), as_4d(k), as_4d(v), o4, lse,
-                                        ctx.causal, ctx.scale)
+        q, k, v, o, lse = ctx.saved_tensors
+        o4 = as_4d(o)
+        dq, dk, dv = attention_backward(as_4d(do), as_4d(q), as_4d(k), as_4d(v), o4,
+                                        lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None
 
 
@@ -156,5 +168,4 @@ def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None 
     """
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    o4, lse = attention_forward(as_4d(q), as_4d(k), as_4d(v), causal, scale)
-    return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return _forward(q, k, v, causal, scale)

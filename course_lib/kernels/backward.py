@@ -5,6 +5,8 @@ derives each line):
 
     dV = Pᵀ dO              dP = dO Vᵀ
     dS = P ∘ (dP − D)       with D = rowsum(dO ∘ O)   (= rowsum(P ∘ dP), one number per query)
+
+The paper's ``D`` is called ``delta`` in the code (``D`` would read like a head dim).
     dQ = scale · dS K       dK = scale · dSᵀ Q
 
 P is never stored: each kernel rebuilds a tile of it from q, k and the log-sum-exp saved by the
@@ -12,7 +14,7 @@ forward, ``P = exp(S − lse)`` (in log2 units: ``exp2(S · LOG2_E − lse · LO
 
 Three kernels, no atomics, so the result is bit-for-bit deterministic:
 
-1. ``preprocess``: ``D = rowsum(dO ∘ O)``, one value per query row.
+1. ``preprocess``: ``delta = rowsum(dO ∘ O)`` (the paper's D), one value per query row.
 2. ``dkdv``: one program per BLOCK_N tile of keys; it loops over the query tiles and accumulates
    dK and dV for its keys in registers (the keys' rows are written once, by one program).
 3. ``dq``: one program per BLOCK_M tile of queries; it loops over the key tiles and accumulates dQ.
@@ -24,6 +26,7 @@ contributions from the dK/dV loop with fp32 atomic adds: fewer FLOPs, but the or
 
 Masks follow the forward: tiles that straddle the causal diagonal or the ragged end of the
 sequence get a mask, the others run unmasked, and tiles entirely above the diagonal are skipped.
+The pointers, masks and tile splits come from :mod:`course_lib.kernels.tiles`.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ import triton
 import triton.language as tl
 
 from course_lib import runtime
-from course_lib.kernels import tuning
-from course_lib.kernels.forward import LOG2_E, LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
+from course_lib.kernels import tiles, tuning
+from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
+from course_lib.kernels.tiles import LOG2_E
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
-PREPROCESS_BLOCK_M = 64  # query rows per program of the D kernel (memory-bound; any size works)
+PREPROCESS_BLOCK_M = 64  # query rows per program of the delta kernel (memory-bound; any size works)
 
 
 @triton.jit
@@ -46,21 +50,20 @@ def preprocess_kernel(O, DO, DELTA,  # O, DO: (B, H, N_Q, d); DELTA: (B, H, N_Q)
                       stride_ob, stride_oh, stride_on, stride_od,
                       stride_dob, stride_doh, stride_don, stride_dod,
                       n_heads, n_q,
-                      D: tl.constexpr, HEAD_DIM: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                      HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    """D_i = sum_c dO_ic · O_ic for one BLOCK_M tile of query rows. Reads 2·BLOCK_M·d, writes BLOCK_M."""
-    num_m_tiles = tl.cdiv(n_q, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_bh = pid // num_m_tiles
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    offs_m = (pid % num_m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """delta = rowsum(dO ∘ O) (the paper's D) for one BLOCK_M tile of query rows.
+
+    Reads 2·BLOCK_M·d elements, writes BLOCK_M.
+    """
+    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < D)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0).to(ACC_DTYPE)  # (BLOCK_M, HEAD_DIM)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0).to(ACC_DTYPE)  # (BLOCK_M, HEAD_DIM)
+    mask = tiles.row_mask(offs_m, n_q, offs_d < HEAD_DIM_REAL)
+    o = tiles.load_tile(O, b, h, offs_m, offs_d, mask,
+                        stride_ob, stride_oh, stride_on, stride_od).to(ACC_DTYPE)  # (BLOCK_M, HEAD_DIM)
+    do = tiles.load_tile(DO, b, h, offs_m, offs_d, mask,
+                         stride_dob, stride_doh, stride_don, stride_dod).to(ACC_DTYPE)  # (BLOCK_M, HEAD_DIM)
     tl.store(DELTA + pid_bh * n_q + offs_m, tl.sum(o * do, axis=1), mask=offs_m < n_q)
 
 
@@ -75,18 +78,14 @@ def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, s
     (BLOCK_N, HEAD_DIM) without transposing the accumulators.
     """
     for start_m in range(q_start, q_end, BLOCK_M):
-        rows = start_m + offs_m  # (BLOCK_M,) query indices of this tile
-        load_mask = (rows[:, None] < n_q) & d_mask[None, :]
-        q = tl.load(q_tile_ptrs + start_m * stride_qn, mask=load_mask, other=0.0)  # (BLOCK_M, HEAD_DIM)
+        # rows (BLOCK_M,) query indices of this tile; q (BLOCK_M, HEAD_DIM)
+        rows, load_mask, q = tiles.load_tile_at(q_tile_ptrs, start_m, offs_m, n_q, d_mask, stride_qn)
         lse_log2 = tl.load(lse_ptr + rows, mask=rows < n_q, other=0.0) * LOG2_E  # (BLOCK_M,)
         # P^T rebuilt from the saved log-sum-exp                               (BLOCK_N, BLOCK_M)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale_log2
+        s_t = tiles.scores_log2(k, q, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         if MASKED:
-            visible = rows[None, :] < n_q  # ragged end of the queries
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= rows[None, :])  # key j <= query i
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = tl.where(tiles.visible_t(offs_n, rows, n_q, CAUSAL=CAUSAL), p_t, 0.0)
         do = tl.load(do_tile_ptrs + start_m * stride_don, mask=load_mask, other=0.0)  # (BLOCK_M, HEAD_DIM)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         delta = tl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
@@ -97,62 +96,53 @@ def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, s
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: (B, H, N_Q) contiguous
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_dob, stride_doh, stride_don, stride_dod,
-                stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV share one layout
+                DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # the outputs share one layout
                 n_heads, n_q, n_k, scale, qk_scale_log2,
-                D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dK and dV for one BLOCK_N tile of keys of one (batch, head)."""
-    num_n_tiles = tl.cdiv(n_k, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_bh = pid // num_n_tiles
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    start_n = (pid % num_n_tiles) * BLOCK_N
+    """One program: dK and dV for one BLOCK_N tile of keys of one (batch, head).
 
+    Grid: cdiv(n_k, BLOCK_N) · B · H programs on one axis. Keeps its K, V tiles and the dK, dV
+    accumulators on chip and loops over the query tiles that see its keys.
+    """
+    pid_bh, b, h, start_n = tiles.program_tile(n_k, n_heads, BLOCK=BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows of this program
     offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows within a tile
     offs_d = tl.arange(0, HEAD_DIM)
-    d_mask = offs_d < D
-    kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-    q_tile_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    do_tile_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
+    d_mask = offs_d < HEAD_DIM_REAL
+    kv_mask = tiles.row_mask(offs_n, n_k, d_mask)
+    k = tiles.load_tile(K, b, h, offs_n, offs_d, kv_mask,
+                        stride_kb, stride_kh, stride_kn, stride_kd)  # (BLOCK_N, HEAD_DIM)
+    v = tiles.load_tile(V, b, h, offs_n, offs_d, kv_mask,
+                        stride_vb, stride_vh, stride_vn, stride_vd)  # (BLOCK_N, HEAD_DIM)
+    q_tile_ptrs = tiles.tile_ptrs(Q, b, h, offs_m, offs_d, stride_qb, stride_qh, stride_qn, stride_qd)
+    do_tile_ptrs = tiles.tile_ptrs(DO, b, h, offs_m, offs_d, stride_dob, stride_doh, stride_don, stride_dod)
     lse_ptr = LSE + pid_bh * n_q
     delta_ptr = DELTA + pid_bh * n_q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
 
-    # Query tiles, in order: [q_lo, band_end) straddle the diagonal (masked); [band_end, full_end)
-    # need no mask; [full_end, n_q) is the ragged end (masked). Tiles before q_lo only hold
-    # queries i < start_n, which see none of these keys: skipped.
-    full_end = (n_q // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        q_lo = (start_n // BLOCK_M) * BLOCK_M
-        # first query tile whose every row i >= the last key start_n + BLOCK_N - 1
-        band_end = tl.maximum(q_lo, tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, full_end))
-        tail_start = tl.maximum(band_end, full_end)
-    else:
-        q_lo = 0
-        band_end = 0
-        tail_start = full_end
+    # Query tiles: the diagonal band (masked), the unmasked middle, the ragged end (masked).
+    q_lo, band_end, full_end, tail_start = tiles.q_split(start_n, n_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                                         CAUSAL=CAUSAL)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, q_lo, band_end, qk_scale_log2,
-                           True, CAUSAL, BLOCK_M, ACC_DTYPE, DOT_PRECISION)
+                           MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, band_end, full_end, qk_scale_log2,
-                           False, CAUSAL, BLOCK_M, ACC_DTYPE, DOT_PRECISION)
+                           MASKED=False, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, tail_start, n_q, qk_scale_log2,
-                           True, CAUSAL, BLOCK_M, ACC_DTYPE, DOT_PRECISION)
+                           MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
 
     dk = dk * scale  # dK = scale · dSᵀ Q: the scale was left out of the loop
     out_offs = b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -167,17 +157,14 @@ def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn
                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the contributions of key tiles [kv_start, kv_end) to this program's dQ."""
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,) key indices of this tile
-        load_mask = (cols[:, None] < n_k) & d_mask[None, :]
-        k = tl.load(k_tile_ptrs + start_n * stride_kn, mask=load_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-        v = tl.load(v_tile_ptrs + start_n * stride_vn, mask=load_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale_log2
-        p = tl.math.exp2(s - lse_log2[:, None])  # (BLOCK_M, BLOCK_N)
+        # cols (BLOCK_N,) key indices of this tile; k, v (BLOCK_N, HEAD_DIM)
+        cols, load_mask, k = tiles.load_tile_at(k_tile_ptrs, start_n, offs_n, n_k, d_mask, stride_kn)
+        v = tl.load(v_tile_ptrs + start_n * stride_vn, mask=load_mask, other=0.0)
+        # P rebuilt from the saved log-sum-exp                                 (BLOCK_M, BLOCK_N)
+        s = tiles.scores_log2(q, k, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
-            visible = cols[None, :] < n_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None])
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(tiles.visible(offs_m, cols, n_k, CAUSAL=CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
@@ -185,70 +172,61 @@ def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,  # LSE, DELTA: (B, H, N_Q) contiguous
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_dob, stride_doh, stride_don, stride_dod,
               stride_dqb, stride_dqh, stride_dqn, stride_dqd,
               n_heads, n_q, n_k, scale, qk_scale_log2,
-              D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+              HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
               ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ for one BLOCK_M tile of queries of one (batch, head)."""
-    num_m_tiles = tl.cdiv(n_q, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_bh = pid // num_m_tiles
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    start_m = (pid % num_m_tiles) * BLOCK_M
-
+    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    d_mask = offs_d < D
+    d_mask = offs_d < HEAD_DIM_REAL
     row_ok = offs_m < n_q
     q_mask = row_ok[:, None] & d_mask[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)  # (BLOCK_M, HEAD_DIM)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=q_mask, other=0.0)  # (BLOCK_M, HEAD_DIM)
+    q = tiles.load_tile(Q, b, h, offs_m, offs_d, q_mask,
+                        stride_qb, stride_qh, stride_qn, stride_qd)  # (BLOCK_M, HEAD_DIM)
+    do = tiles.load_tile(DO, b, h, offs_m, offs_d, q_mask,
+                         stride_dob, stride_doh, stride_don, stride_dod)  # (BLOCK_M, HEAD_DIM)
     lse_log2 = tl.load(LSE + pid_bh * n_q + offs_m, mask=row_ok, other=0.0) * LOG2_E  # (BLOCK_M,)
     delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
-    k_tile_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_tile_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_tile_ptrs = tiles.tile_ptrs(K, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_kn, stride_kd)
+    v_tile_ptrs = tiles.tile_ptrs(V, b, h, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
     # Same tile split as the forward: unmasked tiles first, then the diagonal band / ragged end.
-    if CAUSAL:
-        kv_end = tl.minimum(n_k, start_m + BLOCK_M)
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, n_k // BLOCK_N) * BLOCK_N
-    else:
-        kv_end = n_k
-        full_end = (n_k // BLOCK_N) * BLOCK_N
+    full_end, kv_end = tiles.kv_split(start_m, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
                       offs_m, offs_n, d_mask, n_k, 0, full_end, qk_scale_log2,
-                      False, CAUSAL, BLOCK_N, ACC_DTYPE, DOT_PRECISION)
+                      MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
                       offs_m, offs_n, d_mask, n_k, full_end, kv_end, qk_scale_log2,
-                      True, CAUSAL, BLOCK_N, ACC_DTYPE, DOT_PRECISION)
+                      MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
 
     dq = dq * scale  # dQ = scale · dS K
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+    tl.store(tiles.tile_ptrs(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqn, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
 _AUTOTUNE_KEY = ["n_q", "n_k", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"]
 dkdv_kernel_tuned = triton.autotune(
     configs=tuning.dkdv_configs(), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": tuning.prune_for_head_dim})(dkdv_kernel)
+    prune_configs_by={"early_config_prune": tuning.prune_dkdv})(dkdv_kernel)
 dq_kernel_tuned = triton.autotune(
     configs=tuning.dq_configs(), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": tuning.prune_for_head_dim})(dq_kernel)
+    prune_configs_by={"early_config_prune": tuning.prune_dq})(dq_kernel)
 
 
 def _launch(kernel, tuned, n_tiles_of, blocks, args, meta):
-    """Launch with a fixed config (interpreter, tests) or through the autotuner (GPU)."""
+    """Launch with a fixed config (interpreter, measured GPU table, tests) or through the autotuner."""
     if blocks is not None:
         grid = (n_tiles_of(blocks.block_m, blocks.block_n),)
         kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
@@ -266,7 +244,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
             any strides. lse: ``(B, H, N_q)`` contiguous, from :func:`attention_forward`.
         causal, scale: as in the forward.
         dkdv_blocks, dq_blocks: force a launch config per kernel; None = interpreter default /
-            autotune.
+            the measured GPU table (autotune with COURSE_LIB_AUTOTUNE=1).
 
     Returns:
         ``(dq, dk, dv)``, contiguous, shaped like q, k, v, in their dtype.
@@ -278,9 +256,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     n_k = k.shape[2]
     n_bh = batch * heads
     acc_dtype, precision = kernel_dtypes(work)
-    meta = dict(D=d, HEAD_DIM=padded_head_dim(d), ACC_DTYPE=acc_dtype)
+    meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), ACC_DTYPE=acc_dtype)
 
-    delta = torch.empty_like(lse)  # (B, H, N_q): D = rowsum(dO ∘ O)
+    delta = torch.empty_like(lse)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D
     preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK_M) * n_bh,)](
         ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, **meta, BLOCK_M=PREPROCESS_BLOCK_M)
 
@@ -293,11 +271,13 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     if interpreted:
         dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
         dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
-    elif not tuning.autotune_enabled():
-        dkdv_blocks = dkdv_blocks or tuning.gpu_default("dkdv", meta["HEAD_DIM"], qw.element_size())
-        dq_blocks = dq_blocks or tuning.gpu_default("dq", meta["HEAD_DIM"], qw.element_size())
+    elif not tuning.autotune_enabled():  # the measured table (tuning.py says why not autotune)
+        table = dict(head_dim=meta["HEAD_DIM"], element_size=qw.element_size(), seq_len=max(n_q, n_k),
+                     causal=causal)
+        dkdv_blocks = dkdv_blocks or tuning.gpu_default("dkdv", **table)
+        dq_blocks = dq_blocks or tuning.gpu_default("dq", **table)
     _launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh, dkdv_blocks,
-            (qw, kw, vw, dow, lse, delta, dk, dv, *common, *dk.stride(), *scalars), meta)
+            (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), *scalars), meta)
     _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks,
             (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars), meta)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

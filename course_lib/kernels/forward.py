@@ -22,7 +22,10 @@ Performance tricks, each introduced in chapter 06's prose before it appears here
 
 Layout: every tensor is seen as ``(B, H, N, d)`` through its four strides, so non-contiguous
 inputs (a transposed ``(B, N, H, d)`` view, say) need no copy. ``HEAD_DIM`` is the head dim
-rounded up to a power of two (``tl.arange`` needs one); columns ``D <= c < HEAD_DIM`` are masked.
+rounded up to a power of two (``tl.arange`` needs one); columns ``HEAD_DIM_REAL <= c < HEAD_DIM``
+are masked. The tile helpers (pointers, masks, the tile split, the online-softmax step) are in
+:mod:`course_lib.kernels.tiles`; chapter 06's teaching kernel (:mod:`course_lib.kernels.teaching`)
+is this kernel without the two-stage loop, the padding and the autotuning.
 """
 
 from __future__ import annotations
@@ -31,19 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import runtime
-from course_lib.kernels import tuning
+from course_lib import constants, runtime
+from course_lib.kernels import tiles, tuning
+from course_lib.kernels.tiles import LN_2, MASK_VALUE
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
-# exp(x) = exp2(x * LOG2_E) and log(x) = log2(x) * LN_2 (math.log2(math.e), math.log(2)).
-LOG2_E_FLOAT = 1.4426950408889634
-LOG2_E: tl.constexpr = tl.constexpr(LOG2_E_FLOAT)
-LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# Masked scores are -inf, so exp2 turns them into exactly 0. A row always sees key 0 (top-left
-# causal alignment), so its running maximum is finite after the first tile and -inf - m never
-# becomes NaN.
-MASKED_SCORE: tl.constexpr = tl.constexpr(float("-inf"))
+LOG2_E_FLOAT = constants.LOG2_E  # the host-side scale folds it in: qk_scale_log2 = scale · LOG2_E
 
 
 @triton.jit
@@ -53,25 +50,13 @@ def _forward_kv_tiles(acc, l_i, m_i, q, k_tile_ptrs, v_tile_ptrs, stride_kn, str
                       ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key/value tiles [kv_start, kv_end) into the online-softmax state (m_i, l_i, acc)."""
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,) key indices of this tile
-        load_mask = (cols[:, None] < n_k) & d_mask[None, :]
-        k = tl.load(k_tile_ptrs + start_n * stride_kn, mask=load_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-        # scores in log2 units: s = scale * q k^T * LOG2_E                         (BLOCK_M, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale_log2
-        if MASKED:
-            visible = cols[None, :] < n_k  # ragged end of the keys
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None])  # key j <= query i
-            s = tl.where(visible, s, MASKED_SCORE)
-        # online softmax (chapter 03): new maximum, rescale the old state, add this tile
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-        p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
-        alpha = tl.math.exp2(m_i - m_new)  # (BLOCK_M,) how much the old state shrinks
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_tile_ptrs + start_n * stride_vn, mask=load_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-        m_i = m_new
+        # cols (BLOCK_N,) key indices of this tile; k (BLOCK_N, HEAD_DIM)
+        cols, load_mask, k = tiles.load_tile_at(k_tile_ptrs, start_n, offs_n, n_k, d_mask, stride_kn)
+        s = tiles.scores_log2(q, k, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        if MASKED:  # (BLOCK_M, BLOCK_N) scores in log2 units; hidden keys -> MASK_VALUE
+            s = tl.where(tiles.visible(offs_m, cols, n_k, CAUSAL=CAUSAL), s, MASK_VALUE)
+        m_i, l_i, acc = tiles.online_softmax_step(s, m_i, l_i, acc, v_tile_ptrs + start_n * stride_vn, load_mask,
+                                                  ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -83,51 +68,44 @@ def attention_forward_kernel(
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_on, stride_od,
         n_heads, n_q, n_k, qk_scale_log2,
-        D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+        HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: one BLOCK_M tile of queries of one (batch, head). 1-D grid over both."""
-    num_m_tiles = tl.cdiv(n_q, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_bh = pid // num_m_tiles
-    pid_m = pid % num_m_tiles
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    """One program: one BLOCK_M tile of queries of one (batch, head).
 
-    start_m = pid_m * BLOCK_M
+    Grid: cdiv(n_q, BLOCK_M) · B · H programs on one axis. Reads its Q tile once and each K, V
+    tile it can see once; writes BLOCK_M rows of O and LSE.
+    """
+    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
-    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows within a tile
     offs_d = tl.arange(0, HEAD_DIM)  # (HEAD_DIM,) columns, padded to a power of two
-    d_mask = offs_d < D
+    d_mask = offs_d < HEAD_DIM_REAL
+    q = tiles.load_tile(Q, b, h, offs_m, offs_d, tiles.row_mask(offs_m, n_q, d_mask),
+                        stride_qb, stride_qh, stride_qn, stride_qd)  # (BLOCK_M, HEAD_DIM)
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < n_q) & d_mask[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
-    k_tile_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_tile_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows within a tile
+    k_tile_ptrs = tiles.tile_ptrs(K, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_kn, stride_kd)
+    v_tile_ptrs = tiles.tile_ptrs(V, b, h, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
 
-    m_i = tl.full([BLOCK_M], MASKED_SCORE, dtype=ACC_DTYPE)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
+    m_i = tl.full([BLOCK_M], MASK_VALUE, dtype=ACC_DTYPE)  # running max
+    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)  # running sum of exponentials
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)  # running sum of exponentials · v
 
-    # Which key tiles need a mask? [0, full_end): none (inside the keys, left of the diagonal);
-    # [full_end, kv_end): the diagonal band and the ragged end. Tiles past kv_end are skipped.
-    if CAUSAL:
-        kv_end = tl.minimum(n_k, start_m + BLOCK_M)  # last query row of the tile sees keys < kv_end
-        full_end = tl.minimum((start_m + 1) // BLOCK_N, n_k // BLOCK_N) * BLOCK_N
-    else:
-        kv_end = n_k
-        full_end = (n_k // BLOCK_N) * BLOCK_N
+    # Key tiles [0, full_end) need no mask; [full_end, kv_end) do; tiles past kv_end are skipped.
+    full_end, kv_end = tiles.kv_split(start_m, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
     acc, l_i, m_i = _forward_kv_tiles(acc, l_i, m_i, q, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
                                       offs_m, offs_n, d_mask, n_k, 0, full_end, qk_scale_log2,
-                                      False, CAUSAL, BLOCK_N, ACC_DTYPE, DOT_PRECISION)
+                                      MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     acc, l_i, m_i = _forward_kv_tiles(acc, l_i, m_i, q, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
                                       offs_m, offs_n, d_mask, n_k, full_end, kv_end, qk_scale_log2,
-                                      True, CAUSAL, BLOCK_N, ACC_DTYPE, DOT_PRECISION)
+                                      MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
 
     o = acc / l_i[:, None]  # (BLOCK_M, HEAD_DIM)
     lse = (m_i + tl.math.log2(l_i)) * LN_2  # (BLOCK_M,) natural-log log-sum-exp of the scores
-    row_ok = offs_m < n_q
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
+    row_ok = offs_m < n_q  # the last Q tile may stick out past N_q
+    o_ptrs = tiles.tile_ptrs(O, b, h, offs_m, offs_d, stride_ob, stride_oh, stride_on, stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     tl.store(LSE + pid_bh * n_q + offs_m, lse, mask=row_ok)
 
@@ -135,7 +113,7 @@ def attention_forward_kernel(
 attention_forward_kernel_tuned = triton.autotune(
     configs=tuning.forward_configs(),
     key=["n_q", "n_k", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"],
-    prune_configs_by={"early_config_prune": tuning.prune_for_head_dim},
+    prune_configs_by={"early_config_prune": tuning.prune_forward},
 )(attention_forward_kernel)
 
 
@@ -144,8 +122,8 @@ attention_forward_kernel_tuned = triton.autotune(
 
 
 def padded_head_dim(d: int) -> int:
-    """``tl.arange`` needs a power of two, and ``tl.dot`` at least 16: round d up."""
-    return max(16, triton.next_power_of_2(d))
+    """``tl.arange`` needs a power of two, and ``tl.dot`` at least MIN_HEAD_DIM: round d up."""
+    return max(constants.MIN_HEAD_DIM, triton.next_power_of_2(d))
 
 
 def compute_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
@@ -176,7 +154,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
         q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``, any strides, same dtype and device.
         causal: top-left aligned causal mask (key j visible to query i when j <= i).
         scale: the score scale (1/sqrt(d) by default, chosen by the caller).
-        blocks: force one launch config (tests, tuning); None = interpreter default / autotune.
+        blocks: force one launch config (tests, tuning); None = interpreter default / the measured GPU table (autotune with COURSE_LIB_AUTOTUNE=1).
 
     Returns:
         ``(o, lse)``: ``o`` ``(B, H, N_q, d)`` contiguous in q's dtype; ``lse`` ``(B, H, N_q)``
@@ -193,12 +171,13 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(),
             heads, n_q, n_k, scale * LOG2_E_FLOAT)
-    meta = dict(D=d, HEAD_DIM=padded_head_dim(d), CAUSAL=bool(causal), ACC_DTYPE=acc_dtype,
+    meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), CAUSAL=bool(causal), ACC_DTYPE=acc_dtype,
                 DOT_PRECISION=precision)
     if blocks is None and interpreted:
         blocks = tuning.INTERPRETER_FORWARD
-    elif blocks is None and not tuning.autotune_enabled():
-        blocks = tuning.gpu_default("forward", meta["HEAD_DIM"], qw.element_size())
+    elif blocks is None and not tuning.autotune_enabled():  # the measured table (see tuning.py)
+        blocks = tuning.gpu_default("forward", meta["HEAD_DIM"], qw.element_size(),
+                                    seq_len=max(n_q, n_k), causal=causal)
     if blocks is not None:
         grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
         attention_forward_kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,

@@ -6,11 +6,15 @@ Two regimes, as chapter 06 explains:
   drivers", FACTS.md), and the interpreter runs every program in Python, so bigger tiles mean
   fewer programs and a faster run. The launchers call the plain ``@triton.jit`` kernels with the
   one fixed config below (tests pass smaller tiles explicitly to exercise many tiles).
-- **GPU.** The launchers call the autotuned kernels: the autotuner times every config in the
-  short lists below once per key (sequence lengths, head dim, causal, dtypes) and keeps the
-  fastest. The lists are short on purpose: each config is a compile (about a second) and a
-  timing, per key. They come from the tuning runs recorded in
-  ``course_lib/data/benchmarks/NOTES.md``.
+- **GPU.** The launchers use a small table of configs measured on an H100 (:func:`gpu_default`,
+  numbers in ``course_lib/data/benchmarks/NOTES.md``): by kernel, head dim, dtype size, and for
+  short causal sequences. We measured the alternative, Triton's autotuner over the short
+  candidate lists below, on the whole benchmark grid: it picked a config 8-20% slower than the
+  table's in several cells, and at short sequences (N = 1k, where one call takes ~0.1 ms and
+  timing noise is large) it twice kept a config that made us slower than FlashAttention-2
+  (0.92x forward, 0.80x forward+backward), while the table was >= 1.06x FlashAttention-2 in
+  every cell. It also spends seconds per new shape. Set ``COURSE_LIB_AUTOTUNE=1`` to autotune
+  anyway (over the pruned candidates: :func:`prune_forward`, :func:`prune_dkdv`, :func:`prune_dq`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from dataclasses import dataclass
 
 import triton
 
-# Set COURSE_LIB_AUTOTUNE=0 to skip autotuning on the GPU and launch the fixed defaults below
-# (the GPU test suite does this: autotuning every shape it tries would take minutes).
+# Set COURSE_LIB_AUTOTUNE=1 to let Triton's autotuner pick among the candidates below on the GPU
+# instead of the measured table of gpu_default().
 AUTOTUNE_ENV = "COURSE_LIB_AUTOTUNE"
 
 
@@ -39,10 +43,14 @@ class Blocks:
 INTERPRETER_FORWARD = Blocks(block_m=64, block_n=64)
 INTERPRETER_BACKWARD = Blocks(block_m=64, block_n=64)
 
+# Causal attention over at most this many keys counts as "short": there, smaller owned tiles win
+# (more programs for the same work, and less time in the masked diagonal band).
+SHORT_CAUSAL_SEQ_LEN = 1024
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+    """True when ``COURSE_LIB_AUTOTUNE=1`` asks for Triton's autotuner instead of the table."""
+    return os.environ.get(AUTOTUNE_ENV, "0") == "1"
 
 
 def _small_tiles(head_dim: int, element_size: int) -> bool:
@@ -50,19 +58,32 @@ def _small_tiles(head_dim: int, element_size: int) -> bool:
     return element_size >= 4 or head_dim > 128
 
 
-def gpu_default(kernel: str, head_dim: int, element_size: int) -> Blocks:
-    """The fixed GPU config used when autotuning is off ("forward", "dkdv" or "dq")."""
-    # Measured on an H100 (NOTES.md): at d=128, 4 warps spill the (128, 128) fp32 accumulator and
-    # run at half speed; 8 warps do not.
-    small = _small_tiles(head_dim, element_size)
+def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | None = None,
+                causal: bool = False) -> Blocks:
+    """The measured GPU config for ``kernel`` ("forward", "dkdv" or "dq").
+
+    Args:
+        head_dim: the padded head dim (a power of two); element_size: bytes per input element.
+        seq_len: the longer of N_q and N_k (None: treat as long); causal: the mask.
+
+    Measured on an H100 (NOTES.md, sweeps at N = 1k, 4k, 16k, fp16): at d=128, 4 warps spill a
+    128-row fp32 accumulator and run at half speed, 8 warps do not; at d=64, 8 warps are 1-7%
+    faster in the forward; for causal N <= 1k, 64-row forward tiles are 8% faster, and at d=64
+    (32, 64) dK/dV tiles 9% faster, than the long-sequence choice.
+    """
+    if kernel not in ("forward", "dkdv", "dq"):
+        raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
+    if _small_tiles(head_dim, element_size):
+        return Blocks(32, 64, 4, 2) if kernel == "dkdv" else Blocks(64, 32, 4, 2)
+    short_causal = causal and seq_len is not None and seq_len <= SHORT_CAUSAL_SEQ_LEN
     wide = head_dim > 64
     if kernel == "forward":
-        return Blocks(64, 32, 4, 2) if small else Blocks(128, 64, 8 if wide else 4, 3)
-    if kernel == "dkdv":
-        return Blocks(32, 64, 4, 2) if small else (Blocks(64, 128, 8, 3) if wide else Blocks(32, 128, 4, 3))
-    if kernel == "dq":
-        return Blocks(64, 32, 4, 2) if small else (Blocks(128, 64, 8, 3) if wide else Blocks(128, 32, 4, 3))
-    raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
+        return Blocks(64, 64, 4, 3) if short_causal else Blocks(128, 64, 8, 3)
+    if wide:
+        return Blocks(64, 128, 8, 3) if kernel == "dkdv" else Blocks(128, 64, 8, 3)
+    if short_causal:
+        return Blocks(32, 64, 4, 3) if kernel == "dkdv" else Blocks(64, 32, 4, 3)
+    return Blocks(32, 128, 4, 3) if kernel == "dkdv" else Blocks(128, 32, 4, 3)
 
 
 # GPU candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -103,16 +124,57 @@ def dq_configs() -> list[triton.Config]:
     return _configs(_DQ_CANDIDATES)
 
 
-def prune_for_head_dim(configs, named_args, **kwargs):
-    """Drop configs whose tiles cannot fit in shared memory / registers.
+# A program's fp32 accumulator must fit in its threads' registers with room to spare. Measured on
+# an H100 (NOTES.md, block-size sweep): at d=128 a 128-row tile on 4 warps (128 accumulator values
+# per thread) spills and runs at half speed or worse, and the autotuner sometimes kept it anyway
+# (timing noise on short sequences: 0.84x FlashAttention-2 at fp16 d=128 N=1k causal). Every
+# config at or under 64 values per thread ran without spilling.
+MAX_ACC_VALUES_PER_THREAD = 64
+THREADS_PER_WARP = 32
 
-    Q, K and V tiles in flight (num_stages copies of K and V): at HEAD_DIM=256, or in fp32, a
-    128x128 tile pair overflows the 228 KB of shared memory per H100 SM, so keep tiles <= 64 there.
+
+def acc_values_per_thread(owned_rows: int, head_dim: int, num_warps: int) -> float:
+    """fp32 accumulator values each thread holds: the (owned_rows, head_dim) tile over the threads.
+
+    ``owned_rows`` is the tile a program keeps for its whole life: BLOCK_M for the forward and dQ
+    kernels, BLOCK_N for dK/dV (whose two accumulators, dK and dV, are each that size).
+    """
+    return owned_rows * head_dim / (num_warps * THREADS_PER_WARP)
+
+
+def _prune(configs, named_args, kwargs, owned: str):
+    """Drop configs that spill registers or overflow shared memory for this call's head dim/dtype.
+
+    - registers: see :data:`MAX_ACC_VALUES_PER_THREAD`;
+    - shared memory: Q, K and V tiles in flight (num_stages copies of K and V): at HEAD_DIM=256,
+      or in fp32, a 128x128 tile pair overflows the 228 KB of shared memory per H100 SM, so keep
+      tiles <= 64 there.
+    Two configs sized for small tiles are added there (and whenever nothing else is left): a
+    64-row owned tile on 8 warps (64 accumulator values per thread even at d=256) and 32x32 tiles
+    on 4 warps, which always fit.
     """
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))  # constexprs arrive as kwargs
-    if not _small_tiles(head_dim, named_args["Q"].element_size()):
-        return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
-    # a config that always fits, in case every candidate above runs out of shared memory
-    kept.append(triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1))
+    small = _small_tiles(head_dim, named_args["Q"].element_size())
+    kept = [c for c in configs
+            if acc_values_per_thread(c.kwargs[owned], head_dim, c.num_warps) <= MAX_ACC_VALUES_PER_THREAD
+            and not (small and (c.kwargs["BLOCK_M"] > 64 or c.kwargs["BLOCK_N"] > 64))]
+    if small or not kept:
+        other = "BLOCK_N" if owned == "BLOCK_M" else "BLOCK_M"
+        kept.append(triton.Config({owned: 64, other: 32}, num_warps=8, num_stages=2))
+        kept.append(triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1))
     return kept
+
+
+def prune_forward(configs, named_args, **kwargs):
+    """``early_config_prune`` for the forward kernel (a program owns BLOCK_M query rows)."""
+    return _prune(configs, named_args, kwargs, "BLOCK_M")
+
+
+def prune_dq(configs, named_args, **kwargs):
+    """``early_config_prune`` for the dQ kernel (a program owns BLOCK_M query rows)."""
+    return _prune(configs, named_args, kwargs, "BLOCK_M")
+
+
+def prune_dkdv(configs, named_args, **kwargs):
+    """``early_config_prune`` for the dK/dV kernel (a program owns BLOCK_N key rows)."""
+    return _prune(configs, named_args, kwargs, "BLOCK_N")

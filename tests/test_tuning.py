@@ -1,0 +1,92 @@
+"""Launch configs: the autotuner is only offered configs that neither spill nor overflow."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.kernels import tuning
+
+pytestmark = [pytest.mark.ch06]
+
+
+class _FakeTensor:
+    """Stands in for the Q argument: the pruner only asks for its element size."""
+
+    def __init__(self, element_size: int):
+        self._element_size = element_size
+
+    def element_size(self) -> int:
+        return self._element_size
+
+
+PRUNERS = {"forward": (tuning.forward_configs, tuning.prune_forward, "BLOCK_M"),
+           "dkdv": (tuning.dkdv_configs, tuning.prune_dkdv, "BLOCK_N"),
+           "dq": (tuning.dq_configs, tuning.prune_dq, "BLOCK_M")}
+
+
+def _kept(kernel, head_dim, element_size):
+    configs, prune, _ = PRUNERS[kernel]
+    return prune(configs(), {"Q": _FakeTensor(element_size)}, HEAD_DIM=head_dim)
+
+
+def _shape(c):
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+def test_spilling_forward_config_is_pruned_at_d128():
+    # (128, 64) on 4 warps ran at 201 TFLOP/s against 466 on 8 warps at d=128 (NOTES.md sweep)
+    assert (128, 64, 4, 3) in [_shape(c) for c in tuning.forward_configs()]
+    kept = [_shape(c) for c in _kept("forward", 128, 2)]
+    assert (128, 64, 4, 3) not in kept and (128, 64, 8, 3) in kept
+    # ... and kept at d=64, where it does not spill and is among the fastest
+    assert (128, 64, 4, 3) in [_shape(c) for c in _kept("forward", 64, 2)]
+
+
+def test_spilling_dkdv_config_is_pruned_at_d128():
+    # (32, 128) on 4 warps: 159 TFLOP/s against 352 for (64, 128) on 8 warps at d=128
+    kept = [_shape(c) for c in _kept("dkdv", 128, 2)]
+    assert (32, 128, 4, 3) not in kept and (64, 128, 8, 3) in kept
+
+
+@pytest.mark.parametrize("kernel", list(PRUNERS))
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_every_kept_config_fits(kernel, head_dim, element_size):
+    owned = PRUNERS[kernel][2]
+    kept = _kept(kernel, head_dim, element_size)
+    assert kept, "the pruner must leave at least one config"
+    for c in kept:
+        assert tuning.acc_values_per_thread(c.kwargs[owned], head_dim, c.num_warps) \
+            <= tuning.MAX_ACC_VALUES_PER_THREAD, _shape(c)
+        if element_size >= 4 or head_dim > 128:
+            assert c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64, _shape(c)
+
+
+def test_gpu_defaults_obey_the_register_rule():
+    for kernel, owned in (("forward", "block_m"), ("dkdv", "block_n"), ("dq", "block_m")):
+        for head_dim in (64, 128):
+            b = tuning.gpu_default(kernel, head_dim, 2)
+            assert tuning.acc_values_per_thread(getattr(b, owned), head_dim, b.num_warps) \
+                <= tuning.MAX_ACC_VALUES_PER_THREAD, (kernel, head_dim, b)
+
+
+def test_gpu_table_picks_by_length_and_mask():
+    long_fwd = tuning.gpu_default("forward", 128, 2, seq_len=16384, causal=True)
+    short_fwd = tuning.gpu_default("forward", 128, 2, seq_len=1024, causal=True)
+    assert (long_fwd.block_m, long_fwd.num_warps) == (128, 8)
+    assert (short_fwd.block_m, short_fwd.block_n) == (64, 64)
+    assert tuning.gpu_default("forward", 128, 2, seq_len=1024, causal=False) == long_fwd  # not causal
+    assert tuning.gpu_default("dkdv", 64, 2, seq_len=1000, causal=True).block_n == 64
+    assert tuning.gpu_default("dkdv", 64, 2, seq_len=4096, causal=True).block_n == 128
+    assert tuning.gpu_default("forward", 256, 2).block_m <= 64  # shared memory at d=256
+    with pytest.raises(ValueError, match="kernel must be"):
+        tuning.gpu_default("sideways", 64, 2)
+
+
+def test_autotune_is_opt_in(monkeypatch):
+    monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
+    assert not tuning.autotune_enabled()
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    assert tuning.autotune_enabled()
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    assert not tuning.autotune_enabled()
