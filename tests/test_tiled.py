@@ -124,6 +124,50 @@ def test_non_causal_skips_nothing():
     assert len([e for e in counter.events if e.kind == "compute"]) == 16
 
 
+# ---- tile classes: the rule the loop follows ----------------------------------------------
+
+def _brute_force_classes(rule, n_q, n_k, block_m, block_n):
+    visible = rule.element_mask(n_q, n_k)
+    t_r, t_c = iomodel.num_blocks(n_q, block_m), iomodel.num_blocks(n_k, block_n)
+    classes = np.empty((t_r, t_c), dtype=int)
+    for i in range(t_r):
+        for j in range(t_c):
+            tile = visible[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+            classes[i, j] = (tiled.FULL if tile.all() else
+                             tiled.PARTIAL if tile.any() else tiled.SKIP)
+    return classes
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_q=st.integers(1, 50), n_k=st.integers(1, 50), block_m=st.integers(1, 13),
+       block_n=st.integers(1, 13))
+def test_tile_classes_agree_with_brute_force(n_q, n_k, block_m, block_n):
+    for rule in (tiled.DENSE, tiled.CAUSAL):
+        np.testing.assert_array_equal(rule.tile_classes(n_q, n_k, block_m, block_n),
+                                      _brute_force_classes(rule, n_q, n_k, block_m, block_n))
+    skipped = tiled.CAUSAL.tile_classes(n_q, n_k, block_m, block_n) == tiled.SKIP
+    np.testing.assert_array_equal(skipped, tiled.causal_skip_grid(n_q, n_k, block_m, block_n))
+
+
+def test_causal_is_a_rule_of_the_same_loop():
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, n, 4)) for n in (23, 30, 30))
+    by_flag = tiled.flash_attention_numpy(q, k, v, causal=True, block_m=8, block_n=6)
+    by_rule = tiled.flash_attention_numpy(q, k, v, block_m=8, block_n=6, rule=tiled.CAUSAL)
+    for a, b in zip(by_flag, by_rule):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="causal=True or a rule, not both"):
+        tiled.flash_attention_numpy(q, k, v, causal=True, rule=tiled.CAUSAL)
+
+
+def test_softmax_state_of_no_keys_is_the_empty_state():
+    m, l, o = tiled.softmax_state(np.zeros((3, 0)), np.zeros((0, 2)))
+    np.testing.assert_array_equal(m, -np.inf)
+    np.testing.assert_array_equal(l, 0)
+    np.testing.assert_array_equal(o, np.zeros((3, 2)))
+    np.testing.assert_array_equal(tiled.state_lse(m, l), -np.inf)
+
+
 # ---- the counter ---------------------------------------------------------------------------
 
 def test_fa2_reads_each_q_once_and_writes_each_output_once():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib import decoding
+from course_lib import kvcache
 from course_lib.hardware import GPUS
 from course_lib.widgets._display import FIGSIZE
 from course_lib.widgets.kvcache import KVCacheCalculator
@@ -66,7 +66,7 @@ def test_kv_heads_batch_context_and_dtype_scale_the_cache(w):
 def test_model_change_resets_the_kv_head_choices(w):
     w.model.value = GQA
     assert w.kv_heads.value == 8 and tuple(w.kv_heads.options) == (1, 2, 4, 8, 16, 32)
-    assert w.cache_bytes == decoding.MODELS[GQA].kv_bytes(4096, 8)
+    assert w.cache_bytes == kvcache.MODELS[GQA].kv_bytes(4096, 8)
     w.model.value = BIG
     assert 64 in w.kv_heads.options and w.kv_heads.value == 8
     assert "80 layers" in w.ax.get_title()

@@ -21,94 +21,107 @@ import numpy as np
 
 from course_lib import iomodel, tiled
 from course_lib.checks import Case, check_function
-from course_lib.reference import default_scale
+from course_lib.softmax import correction_factor
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 4.1: the FA2 forward's inner loop
 # ----------------------------------------------------------------------------------------------
 
+# Each mistake model is the library's loop (tiled.flash_attention_numpy) with one of its parts
+# swapped for a mistaken one: the mask (a TileRule), the online-softmax update (`step`), the
+# epilogue (`finish`) or the scale. Not modelled: the other off-by-one, ``k_idx < q_idx``, hides
+# query 0's only key, so its row is 0/0 = NaN; the check reports the NaN (checks.compare)
+# instead of naming this cause.
 
-# Not modelled: the other off-by-one, ``k_idx < q_idx``, hides query 0's only key, so its row is
-# 0/0 = NaN; the check reports the NaN (checks.compare) instead of naming this cause.
+class _ExerciseMask(tiled.TileRule):
+    """The exercise's mask, built the way the notebook's loop builds it: no tile skipped, every
+    tile masked — with a mistake switched on (``sees_next_key``, or ``mask_padding=False``)."""
 
-def _fa2_with_mistake(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
-                      block_n=tiled.DEFAULT_BLOCK_N, *, mistake: str):
-    """The FA2 forward with one classic mistake switched on (a model of a wrong answer)."""
-    d = q.shape[-1]
-    scale = default_scale(d) if scale is None else scale
-    if mistake == "scale_1_over_d":
-        scale = 1.0 / d
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    lead, dtype = q.shape[:-2], q.dtype
-    o = np.empty(lead + (n_q, v.shape[-1]), dtype=dtype)
-    lse = np.empty(lead + (n_q,), dtype=dtype)
-    for i in range(iomodel.num_blocks(n_q, block_m)):
-        q_start, rows = i * block_m, iomodel.block_rows(i, n_q, block_m)
-        q_tile = tiled.load_tile(q, q_start, block_m)
-        m_i = np.full(lead + (block_m,), -np.inf)
-        l_i = np.zeros(lead + (block_m,))
-        acc = np.zeros(lead + (block_m, v.shape[-1]))
-        q_idx = q_start + np.arange(block_m)[:, None]
-        for j in range(iomodel.num_blocks(n_k, block_n)):
-            k_start = j * block_n
-            k_tile, v_tile = tiled.load_tile(k, k_start, block_n), tiled.load_tile(v, k_start, block_n)
-            k_idx = k_start + np.arange(block_n)[None, :]
-            s = scale * (q_tile @ np.swapaxes(k_tile, -1, -2))
-            in_bounds = k_idx < n_k if mistake != "ragged_not_masked" else np.ones_like(k_idx, bool)
-            if not causal:
-                visible = in_bounds
-            elif mistake == "causal_sees_next_key":
-                visible = in_bounds & (k_idx <= q_idx + 1)
-            else:
-                visible = in_bounds & (k_idx <= q_idx)
-            if mistake == "mask_after_softmax":  # statistics from the unmasked causal scores
-                s = np.where(in_bounds, s, -np.inf)
-                m_new = np.maximum(m_i, s.max(-1))
-                p_all = np.exp(s - m_new[..., None])
-                alpha = np.exp(m_i - m_new)
-                l_i = alpha * l_i + p_all.sum(-1)
-                acc = alpha[..., None] * acc + np.where(visible, p_all, 0) @ v_tile
-                m_i = m_new
-                continue
-            s = np.where(visible, s, -np.inf)
-            m_new = np.maximum(m_i, s.max(-1))
-            m_safe = np.where(np.isfinite(m_new), m_new, 0)
-            alpha = np.exp(m_i - m_safe)
-            p = np.exp(s - m_safe[..., None])
-            l_i = (l_i if mistake == "sum_not_rescaled" else alpha * l_i) + p.sum(-1)
-            acc = (acc if mistake == "acc_not_rescaled" else alpha[..., None] * acc) + p @ v_tile
-            m_i = m_new
-        out = acc if mistake == "no_final_division" else acc / l_i[..., None]
-        row_lse = np.log(l_i) if mistake == "lse_without_max" else m_i + np.log(l_i)
-        o[..., q_start:q_start + rows, :] = out[..., :rows, :]
-        lse[..., q_start:q_start + rows] = row_lse[..., :rows]
-    return o, lse
+    def __init__(self, causal: bool, *, sees_next_key: bool = False, mask_padding: bool = True):
+        self.base = tiled.CAUSAL if causal else tiled.DENSE
+        self.shift = 1 if sees_next_key else 0  # query i treated as query i + 1
+        self.mask_padding = mask_padding
+
+    def visible(self, q_idx, k_idx):
+        return self.base.visible(q_idx + self.shift, k_idx)
+
+    def tile_classes(self, n_q, n_k, block_m, block_n):
+        return np.full((iomodel.num_blocks(n_q, block_m), iomodel.num_blocks(n_k, block_n)),
+                       tiled.PARTIAL)
+
+    def tile_mask(self, q_idx, k_idx, n_k):
+        if self.mask_padding:
+            return super().tile_mask(q_idx, k_idx, n_k)
+        return self.visible(q_idx, k_idx)  # the padded keys are not masked out
 
 
-def _forward_mistake(name):
+def _step_sum_not_rescaled(m_i, l_i, acc, s, v_tile):
+    """The right update with the rescale of ``l`` undone: ``l = l_old + rowsum(p)``."""
+    m_new, l_new, acc_new = tiled.online_softmax_step(m_i, l_i, acc, s, v_tile)
+    return m_new, l_new + (1 - correction_factor(m_i, m_new)) * l_i, acc_new
+
+
+def _step_acc_not_rescaled(m_i, l_i, acc, s, v_tile):
+    """The right update with the rescale of ``acc`` undone: ``acc = acc_old + p v``."""
+    m_new, l_new, acc_new = tiled.online_softmax_step(m_i, l_i, acc, s, v_tile)
+    return m_new, l_new, acc_new + (1 - correction_factor(m_i, m_new))[..., None] * acc
+
+
+def _finish_no_division(m_i, l_i, acc):
+    return acc, tiled.state_lse(m_i, l_i)
+
+
+def _finish_lse_without_max(m_i, l_i, acc):
+    return tiled.finish_tile(m_i, l_i, acc)[0], tiled.state_lse(np.zeros_like(m_i), l_i)
+
+
+def _forward_mistake(name, *, rule=None, step=tiled.online_softmax_step,
+                     finish=tiled.finish_tile, wrong_scale=None):
+    """A model of a wrong answer: the library's FA2 loop with the given parts swapped.
+
+    ``rule(causal)`` builds the mistaken mask; ``wrong_scale(d)`` the mistaken scale.
+    """
     def wrong(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
               block_n=tiled.DEFAULT_BLOCK_N):
-        return _fa2_with_mistake(q, k, v, causal, scale, block_m, block_n, mistake=name)
+        if wrong_scale is not None:
+            scale = wrong_scale(q.shape[-1])
+        mask = {"causal": causal} if rule is None else {"rule": rule(causal)}
+        return tiled.flash_attention_numpy(q, k, v, scale=scale, block_m=block_m,
+                                           block_n=block_n, step=step, finish=finish, **mask)
     wrong.__name__ = f"fa2_forward_{name}"
     return wrong
 
 
+def _fa2_forward_mask_after_softmax(q, k, v, causal=False, scale=None,
+                                    block_m=tiled.DEFAULT_BLOCK_M, block_n=tiled.DEFAULT_BLOCK_N):
+    """The causal mask applied after the statistics: m and l count every key, the weights only
+    the visible ones — the right causal output reweighted by ``exp(lse_causal - lse_all)``."""
+    o, lse = tiled.flash_attention_numpy(q, k, v, causal, scale, block_m, block_n)
+    _, lse_all = tiled.flash_attention_numpy(q, k, v, False, scale, block_m, block_n)
+    return o * np.exp(lse - lse_all)[..., None], lse_all
+
+
 FORWARD_MISTAKES = {
     "the causal mask is off by one: query i may see keys 0..i, not key i + 1 (keep k_idx <= q_idx)":
-        _forward_mistake("causal_sees_next_key"),
+        _forward_mistake("causal_sees_next_key",
+                         rule=lambda causal: _ExerciseMask(causal, sees_next_key=True)),
     "the padded key columns of the ragged last K/V tile are not masked (mask k_idx >= N_k to "
-    "-inf before the max and the exp)": _forward_mistake("ragged_not_masked"),
+    "-inf before the max and the exp)":
+        _forward_mistake("ragged_not_masked",
+                         rule=lambda causal: _ExerciseMask(causal, mask_padding=False)),
     "the causal mask is applied after the softmax statistics: masked scores still count in the "
-    "running sum l (mask s to -inf before computing m, p and l)": _forward_mistake("mask_after_softmax"),
+    "running sum l (mask s to -inf before computing m, p and l)": _fa2_forward_mask_after_softmax,
     "the running sum l is not rescaled by alpha = exp(m_old - m_new) when the max grows":
-        _forward_mistake("sum_not_rescaled"),
+        _forward_mistake("sum_not_rescaled", step=_step_sum_not_rescaled),
     "the accumulator (O) is not rescaled by alpha = exp(m_old - m_new) when the max grows — "
-    "the FA2 version of FA1's 'O not rescaled on reload'": _forward_mistake("acc_not_rescaled"),
+    "the FA2 version of FA1's 'O not rescaled on reload'":
+        _forward_mistake("acc_not_rescaled", step=_step_acc_not_rescaled),
     "the final division by l is missing: o = acc / l at the end of the K/V loop":
-        _forward_mistake("no_final_division"),
-    "the scale is 1/d instead of 1/sqrt(d)": _forward_mistake("scale_1_over_d"),
+        _forward_mistake("no_final_division", finish=_finish_no_division),
+    "the scale is 1/d instead of 1/sqrt(d)":
+        _forward_mistake("scale_1_over_d", wrong_scale=lambda d: 1.0 / d),
     "lse is log(l) without adding back the running max m (lse = m + log l)":
-        _forward_mistake("lse_without_max"),
+        _forward_mistake("lse_without_max", finish=_finish_lse_without_max),
 }
 
 

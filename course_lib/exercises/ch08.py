@@ -2,17 +2,17 @@
 results of split-KV decoding; 8.3, the GQA head mapping (numbered in the notebook's order).
 
 Each check runs the learner's function on prepared cases and compares with
-:mod:`course_lib.decoding`. When the answer is wrong, the known mistakes below are replayed on
-the failing case; the one that reproduces the learner's output is named. The mistake models are
-public (``COMBINE_MISTAKES``, ``CACHE_MISTAKES``, ``HEAD_MISTAKES``) so that tests and
-instructors can see what is recognised.
+:mod:`course_lib.kvcache`, :mod:`course_lib.decoding` and :mod:`course_lib.gqa`. When the answer
+is wrong, the known mistakes below are replayed on the failing case; the one that reproduces the
+learner's output is named. The mistake models are public (``COMBINE_MISTAKES``,
+``CACHE_MISTAKES``, ``HEAD_MISTAKES``) so that tests and instructors can see what is recognised.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from course_lib import decoding
+from course_lib import decoding, gqa, kvcache
 from course_lib.checks import Case, check_function
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def check_combine_splits(fn):
 def cache_bytes_reference(layers, n_heads, n_kv_heads, head_dim, seq_len, batch,
                           bytes_per_element):
     """The KV-cache size in bytes (``n_heads`` is not in the formula: only K/V heads are cached)."""
-    return (decoding.KV_TENSORS * layers * n_kv_heads * head_dim * seq_len * batch
+    return (kvcache.KV_TENSORS * layers * n_kv_heads * head_dim * seq_len * batch
             * bytes_per_element)
 
 
@@ -167,7 +167,7 @@ def check_kv_cache_bytes(fn):
 
 def head_reference(h, n_heads, n_kv_heads):
     """``h // (n_heads // n_kv_heads)`` on an integer array of query heads."""
-    return decoding.kv_head_index(h, n_heads, n_kv_heads)
+    return gqa.kv_head_index(h, n_heads, n_kv_heads)
 
 
 HEAD_MISTAKES = {

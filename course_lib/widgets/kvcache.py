@@ -1,6 +1,6 @@
 """KV-cache memory calculator (chapter 08): how much memory the keys and values of generation take.
 
-Controls: *Model* (a preset attention shape from :data:`course_lib.decoding.MODELS`), *Context
+Controls: *Model* (a preset attention shape from :data:`course_lib.kvcache.MODELS`), *Context
 length N*, *Batch B*, *K/V heads* (the divisors of the model's query heads: all of them = MHA,
 fewer = GQA, 1 = MQA), *Cache dtype*, *GPU* (from :data:`course_lib.hardware.GPUS`) and *Reserve
 the weights* (set the fp16/bf16 weights aside before the cache gets the rest).
@@ -28,7 +28,8 @@ import ipywidgets as widgets
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-from course_lib import decoding, hardware
+from course_lib import hardware
+from course_lib import kvcache
 from course_lib.costmodel import format_bytes
 from course_lib.widgets.memory import format_tokens
 from course_lib.widgets._display import (SMALL_FONTSIZE, TITLE_FONTSIZE, FigureWidget,
@@ -59,11 +60,11 @@ class KVCacheCalculator(FigureWidget):
         cache_bytes, available_bytes, max_tokens, max_batch, max_context: the current numbers.
     """
 
-    def __init__(self, model: str = decoding.DEFAULT_MODEL, seq_len: int = 4096, batch: int = 8,
+    def __init__(self, model: str = kvcache.DEFAULT_MODEL, seq_len: int = 4096, batch: int = 8,
                  kv_heads: int | None = None, dtype: str = "float16",
                  gpu: str = "H100 SXM", reserve_weights: bool = True):
-        if model not in decoding.MODELS:
-            raise ValueError(f"model must be one of {', '.join(decoding.MODELS)}; got {model!r}")
+        if model not in kvcache.MODELS:
+            raise ValueError(f"model must be one of {', '.join(kvcache.MODELS)}; got {model!r}")
         if seq_len not in SEQ_LENS:
             raise ValueError(f"seq_len must be a power of two from {SEQ_LENS[0]} to "
                              f"{SEQ_LENS[-1]}, got {seq_len!r}")
@@ -72,14 +73,14 @@ class KVCacheCalculator(FigureWidget):
         dtype_values = [value for _, value in DTYPES]
         if dtype not in dtype_values:
             raise ValueError(f"dtype must be one of {', '.join(dtype_values)}, got {dtype!r}")
-        shape = decoding.MODELS[model]
+        shape = kvcache.MODELS[model]
         kv_heads = shape.n_kv_heads if kv_heads is None else kv_heads
         if kv_heads not in _divisors(shape.n_heads):
             raise ValueError(f"kv_heads must divide the model's {shape.n_heads} query heads, "
                              f"got {kv_heads!r}")
         gpu = hardware.get_gpu(gpu).name
 
-        self.model = widgets.Dropdown(options=list(decoding.MODELS), value=model,
+        self.model = widgets.Dropdown(options=list(kvcache.MODELS), value=model,
                                       description="Model", **control_layout())
         self.seq_len = widgets.SelectionSlider(options=[(format_tokens(n), n) for n in SEQ_LENS],
                                                value=seq_len, description="Context length N",
@@ -136,8 +137,8 @@ class KVCacheCalculator(FigureWidget):
                 self.reserve_weights]
 
     @property
-    def shape(self) -> decoding.ModelShape:
-        return decoding.MODELS[self.model.value]
+    def shape(self) -> kvcache.ModelShape:
+        return kvcache.MODELS[self.model.value]
 
     def _on_model(self, change) -> None:
         """A new model: offer its head divisors and start from its own number of K/V heads."""
@@ -167,9 +168,9 @@ class KVCacheCalculator(FigureWidget):
                              if self.reserve_weights.value else 0.0)
         self.available_bytes = max(0.0, spec.memory_bytes - self.weight_bytes)
         self.cache_bytes = self._cache(n)
-        self.per_token_bytes = decoding.kv_cache_bytes_per_token(
+        self.per_token_bytes = kvcache.kv_cache_bytes_per_token(
             layers=shape.layers, kv_heads=kv_heads, head_dim=shape.head_dim, dtype=self.dtype.value)
-        self.max_tokens = decoding.max_cached_tokens(
+        self.max_tokens = kvcache.max_cached_tokens(
             spec.memory_bytes, layers=shape.layers, kv_heads=kv_heads, head_dim=shape.head_dim,
             dtype=self.dtype.value, reserved_bytes=self.weight_bytes)
         self.max_batch = self.max_tokens // n  # at the chosen context
