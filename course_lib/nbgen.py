@@ -10,7 +10,8 @@ In a solution notebook an answer sits between two marker lines inside a code cel
 
 The cell must name its exercise in a comment ``# Exercise N.M: description`` above the block.
 Each block becomes ``raise NotImplementedError("Exercise N.M: description")`` at the block's
-indentation. Outputs, execution counts and widget state are cleared, except the text outputs of
+indentation, so a block's code must not dedent below its marker (an answer that spans a loop
+body and the lines after the loop is two blocks, one at each indentation). Outputs, execution counts and widget state are cleared, except the text outputs of
 cells marked ``# NBVAL_CHECK_OUTPUT``: those are the expected values nbval compares against.
 
 Usage::
@@ -73,6 +74,13 @@ def strip_solutions(source: str, where: str) -> str:
                 raise NotebookError(f"{where}, line {n}: '{END}' without a matching '{BEGIN}'")
             inside = False
             continue
+        if inside and stripped and not stripped.startswith("#") and len(line) - len(line.lstrip()) < len(indent):
+            # the stub (one `raise` at the marker's indentation) would stand where only part of
+            # the answer belongs, and the learner would never see where the rest goes
+            raise NotebookError(
+                f"{where}, line {n}: the solution dedents below its '{BEGIN}' marker "
+                f"({len(indent)} spaces): end the block before this line and open a second block "
+                f"at this line's indentation")
         if not inside:
             out.append(line)
     if inside:

@@ -36,6 +36,11 @@ def test_block_becomes_indented_not_implemented():
     compile(out, "<cell>", "exec")  # still valid Python
 
 
+def test_dedented_comment_inside_a_block_is_allowed():
+    src = "# Exercise 1.3: c\nfor j in r:\n    ### BEGIN SOLUTION\n# a note\n    s = 1\n    ### END SOLUTION\n"
+    compile(nbgen.strip_solutions(src, "w"), "<cell>", "exec")
+
+
 def test_two_blocks_and_top_level_block():
     src = "# Exercise 1.2: two parts\nx = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\nif x:\n    ### BEGIN SOLUTION\n    z = 3\n    ### END SOLUTION\n"
     out = nbgen.strip_solutions(src, "w")
@@ -48,6 +53,9 @@ def test_two_blocks_and_top_level_block():
     ("# Exercise 1.1: a\nx = 1\n### END SOLUTION\n", "without a matching"),
     ("# Exercise 1.1: a\n### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "nested"),
     ("x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION\n", "Exercise N.M"),
+    # chapter 04's old exercise 4.1: a block opened inside a loop that runs on past the loop's end
+    ("# Exercise 4.1: a\nfor j in r:\n    ### BEGIN SOLUTION\n    s = 1\no = s\n    ### END SOLUTION\n",
+     r"line 5: the solution dedents below its '### BEGIN SOLUTION' marker \(4 spaces\)"),
 ])
 def test_malformed_markers_name_the_place(src, message):
     with pytest.raises(nbgen.NotebookError, match=message) as info:
