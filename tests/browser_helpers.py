@@ -327,11 +327,13 @@ def overflow(output) -> dict:
 
 
 def truncated_texts(output) -> list[str]:
-    """Labels, buttons and read-outs whose text does not fit (cut off, often with an ellipsis)."""
+    """Labels, buttons, read-outs and radio-button choices whose text does not fit (cut off,
+    often with an ellipsis)."""
     return output.evaluate("""(area) => {
         const cut = [];
         for (const el of area.querySelectorAll(
-            '.widget-label, .widget-readout, button, .widget-toggle-button, .widget-label-basic')) {
+            '.widget-label, .widget-readout, button, .widget-toggle-button, .widget-label-basic, '
+            + '.widget-radio-box label')) {
           if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1 && el.textContent.trim())
             cut.push(`${el.textContent.trim()} (${el.clientWidth}px shown of ${el.scrollWidth}px)`);
         }

@@ -8,8 +8,10 @@ and with no error text, moves a slider / presses Step or Next and checks that th
 
 Screenshots for a human to look at go to ``test-artifacts/screenshots/``:
 ``chNN_notebook.png`` (the whole notebook after Run All), ``chNN_widget.png`` (the widget as
-first drawn) and ``chNN_widget_after_<k>_<action>.png`` (after each interaction). The time each
-interaction took to redraw the figure is printed (``pytest -s -m browser`` shows it).
+first drawn) and ``chNN_widget_after_<k>_<action>.png`` (after each interaction). Chapter 01's
+concept check (the quiz every chapter ends with) is answered too: ``ch01_quiz.png`` and
+``ch01_quiz_after_check.png``. The time each interaction took to redraw the figure is printed
+(``pytest -s -m browser`` shows it).
 
 Needs Debian's Chromium at /usr/bin/chromium (``make test`` installs it); skips, saying so,
 without it. Run alone with ``pytest -m browser``.
@@ -298,6 +300,118 @@ def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
                           f"(see {SCREENSHOTS.relative_to(ROOT)}/ch{spec.chapter}_widget.png):\n  "
                           + "\n  ".join(problems))
 
+
+
+QUIZ_CHAPTER = "01"  # the concept check is tested in one chapter: every chapter's is the same widget
+FEEDBACK_MARKS = ("✓", "✗")
+POLL_MS = 100  # how often to look for a feedback line
+
+
+def feedback_lines(output) -> list[str]:
+    """The concept check's feedback lines now showing (HTML widgets that start with ✓ or ✗)."""
+    texts = output.locator(".widget-html").all_inner_texts()
+    return [" ".join(t.split()) for t in texts if t.strip().startswith(FEEDBACK_MARKS)]
+
+
+def wait_for_feedback(page, output, predicate, what: str) -> str:
+    """The first feedback line for which ``predicate(line)`` holds, waiting up to REDRAW_TIMEOUT_S."""
+    deadline = time.monotonic() + REDRAW_TIMEOUT_S
+    while True:
+        lines = feedback_lines(output)
+        found = [line for line in lines if predicate(line)]
+        if found:
+            return found[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"concept check: no feedback showing {what} after "
+                                 f"{REDRAW_TIMEOUT_S} s; feedback lines: {lines}")
+        page.wait_for_timeout(POLL_MS)
+
+
+
+def shown(text: str, length: int = 60) -> str:
+    """The start of an explanation as the page shows it (whitespace collapsed)."""
+    return " ".join(text.split())[:length]
+
+
+@needs_chromium
+@pytest.mark.ch01
+def test_concept_check_in_the_browser(notebook_page):
+    """Chapter 01's concept check renders, answers a wrong and a right choice and a number with
+    ✗/✓ and the explanation, and nothing in it is cut off."""
+    from course_lib import concept_questions
+    from course_lib.widgets.quiz import MultipleChoice, Numeric
+
+    page, open_ = notebook_page
+    path = chapter_notebook(f"{QUIZ_CHAPTER}_")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in SCREENSHOTS.glob(f"ch{QUIZ_CHAPTER}_quiz*.png"):
+        old.unlink()
+    panel = open_(path)
+    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    assert_ran_cleanly(panel, path.name)
+
+    questions = concept_questions.questions(QUIZ_CHAPTER)
+    output = bh.widget_output(page, panel, "Check")
+    output.scroll_into_view_if_needed()
+    output.wait_for(state="visible")
+    checks = output.locator("button").filter(has_text=bh.exactly("Check"))
+    assert checks.count() == len(questions), \
+        f"concept check: {checks.count()} Check buttons for {len(questions)} questions"
+    choices = output.locator(".widget-radio-box label")
+    n_choices = sum(len(q.choices) for q in questions if isinstance(q, MultipleChoice))
+    assert choices.count() == n_choices, f"concept check: {choices.count()} of {n_choices} choices shown"
+    assert not feedback_lines(output), "concept check: feedback shows before any answer is checked"
+    bh.dismiss_news_prompt(page)
+    output.screenshot(path=str(SCREENSHOTS / f"ch{QUIZ_CHAPTER}_quiz.png"))
+
+    problems = []
+    spill = bh.overflow(output)
+    if spill["overflow_px"] > 0 or spill["scroll_overflow_px"] > 0:
+        problems.append(f"the quiz sticks out of the notebook by {spill['overflow_px']} px "
+                        f"({spill['element']})")
+    cut = bh.truncated_texts(output)
+    if cut:
+        problems.append("text cut off: " + "; ".join(cut))
+    unlabelled = bh.unlabelled_controls(output)
+    if unlabelled:
+        problems.append(f"controls without a label: {unlabelled}")
+
+    # a wrong choice, then the right one: ✗ and that choice's explanation, then ✓ and its own
+    mc_at = next(i for i, q in enumerate(questions) if isinstance(q, MultipleChoice))
+    mc = questions[mc_at]
+    wrong = next(i for i in range(len(mc.choices)) if i != mc.answer)
+    for index, mark in ((wrong, "✗"), (mc.answer, "✓")):
+        choices.filter(has_text=bh.exactly(mc.choices[index])).click()
+        checks.nth(mc_at).click()
+        line = wait_for_feedback(page, output, lambda t: t.startswith(mark),
+                                 f"{mark} for choice {index}")
+        assert shown(mc.explanations[index]) in line, \
+            f"concept check: choice {index} showed {line!r}, not its explanation"
+        print(f"ch{QUIZ_CHAPTER} quiz: choice {index} -> {line[:70]}…")
+
+    # a number: the right answer typed in the first numeric question gets ✓ and the explanation
+    num_at = next(i for i, q in enumerate(questions) if isinstance(q, Numeric))
+    number = questions[num_at]
+    box = output.locator(".widget-text input").first
+    box.fill(f"{number.answer:g}")
+    box.press("Enter")
+    checks.nth(num_at).click()
+    line = wait_for_feedback(page, output, lambda t: t.startswith("✓") and
+                             shown(number.explanation, 30) in t, "✓ for the numeric answer")
+    print(f"ch{QUIZ_CHAPTER} quiz: {number.answer:g} -> {line[:70]}…")
+    page.wait_for_timeout(200)  # let the feedback paint
+    bh.dismiss_news_prompt(page)
+    output.screenshot(path=str(SCREENSHOTS / f"ch{QUIZ_CHAPTER}_quiz_after_check.png"))
+
+    # the feedback lines are in view too: check again now that they show
+    spill = bh.overflow(output)
+    if spill["overflow_px"] > 0 or spill["scroll_overflow_px"] > 0:
+        problems.append(f"with feedback shown the quiz sticks out by {spill['overflow_px']} px "
+                        f"({spill['element']})")
+    assert not bh.error_outputs(panel), "concept check: a traceback appeared after checking"
+    assert not problems, (f"concept check on a {bh.VIEWPORT['width']}×{bh.VIEWPORT['height']} "
+                          f"screen (see {SCREENSHOTS.relative_to(ROOT)}/ch{QUIZ_CHAPTER}_quiz.png):"
+                          "\n  " + "\n  ".join(problems))
 
 def test_all_widget_chapters_exist():
     """Every widget chapter has its learner notebook (else its browser case is not collected)."""

@@ -1,4 +1,5 @@
-"""Checks for chapter 05 (Triton primer): exercise 5.1, vector add, and 5.2, the fused row softmax.
+"""Checks for chapter 05 (Triton primer): exercises 5.1 (vector add), 5.2 (fused row softmax)
+and 5.3 (tiled matmul, with a hint ladder and a skeleton).
 
 The learner's answer is a ``@triton.jit`` kernel, which raises two problems a plain function
 check does not have, solved here once for chapters 05–07:
@@ -24,6 +25,7 @@ power of two, ...).
 from __future__ import annotations
 
 import inspect
+import re
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -218,6 +220,9 @@ class GuardedRun:
                            "division by zero")
     # explain_nonfinite(inputs, outputs) -> a likely cause, or None (e.g. by replaying mistakes)
     explain_nonfinite: Callable | None = None
+    # explain_outside(inputs, outputs) -> a likely cause, or None: called when NaN came from the
+    # inputs' margins, with the outputs of a second run whose margins held INPUT_MARGIN_REFILL
+    explain_outside: Callable | None = None
 
     def _input_names(self, n: int) -> list[str]:
         """The launcher's names for its first ``n`` parameters (the inputs), e.g. ``x, y``."""
@@ -273,8 +278,10 @@ class GuardedRun:
                 torch.isfinite(x).all() for x in inputs):
             again = [v.clone() for v, _ in self._launch(inputs, INPUT_MARGIN_REFILL)]
             if all(torch.isfinite(r).all() for r in again):
+                cause = self.explain_outside(inputs, again) if self.explain_outside else None
                 raise KernelProblem(f"the output depends on memory outside the inputs (their "
-                                    f"margins hold NaN, and NaN came out) — {self.load_hint}")
+                                    f"margins hold NaN, and NaN came out) — "
+                                    f"{cause or self.load_hint}")
             cause = self.explain_nonfinite(inputs, results) if self.explain_nonfinite else None
             raise KernelProblem("your kernel returns NaN or inf although every input is finite — "
                                 + (f"likely cause: {cause}" if cause else self.nonfinite_hint))
@@ -288,7 +295,7 @@ class GuardedRun:
 def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                  cases: Sequence[Case], *, fallback, mistakes: dict | None = None,
                  tolerance: tuple[float, float] | None = None,
-                 time_limit: float | None = None):
+                 time_limit: float | None = None, locate: Callable | None = None):
     """Check a kernel exercise and return what the notebook should go on with.
 
     Args:
@@ -300,6 +307,8 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         fallback: returned when the exercise is not done yet (the library's kernel).
         mistakes: ``{"likely cause": fn}`` as in :func:`course_lib.checks.check_function`.
         time_limit: seconds per case; default :data:`KERNEL_TIME_LIMIT_S` (read at call time).
+        locate: ``locate(index) -> text`` names what owns an output index (e.g. its tile); the
+            diagnosis shows it under the first index it quotes.
 
     Raises:
         ExerciseFailed: with a short diagnosis when the kernel is wrong, fails to compile or
@@ -346,12 +355,29 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                                        fallback=fallback, tolerance=tolerance, mistakes=mistakes,
                                        time_limit=time_limit or KERNEL_TIME_LIMIT_S,
                                        subject="your kernel", output=output)
-    except ExerciseFailed:
+    except ExerciseFailed as failed:
+        message = str(failed)
         if problem:
-            raise ExerciseFailed("\n".join([f"✗ {exercise}: {problem[-1]}",
-                                            *output.excerpt("your kernel")])) from None
-        raise
+            message = "\n".join([f"✗ {exercise}: {problem[-1]}", *output.excerpt("your kernel")])
+        raise ExerciseFailed(_with_location(message, locate)) from None
     return answer if result is attempt else result
+
+
+_INDEX = re.compile(r"index \(([\d, ]+)\)")
+
+
+def _with_location(message: str, locate: Callable | None) -> str:
+    """``message`` with ``locate(index)`` on a line after the first line quoting an index."""
+    if locate is None:
+        return message
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        found = _INDEX.search(line)
+        if found:
+            index = tuple(int(v) for v in found.group(1).split(",") if v.strip())
+            lines.insert(i + 1, f"  {locate(index)}")
+            break
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,3 +489,216 @@ def check_softmax_kernel(kernel):
     return check_kernel("Exercise 5.2", kernel, softmax_runner(kernel), primer.row_softmax_reference,
                         _softmax_cases(runtime.current().device), fallback=primer.softmax_kernel,
                         mistakes=SOFTMAX_MISTAKES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5.3: matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+#               stride_bn, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K)
+
+# Tiles of the check: the smallest tl.dot allows, so that a 77×61 output spans several tiles in
+# each direction; BLOCK_M != BLOCK_N, so that a kernel mixing them up shows.
+MATMUL_CHECK_BLOCKS = dict(block_m=32, block_n=16, block_k=16)
+# (M, K, N): ragged on all three edges, exact multiples of the tiles (no edge at all; M < N so
+# that a column mask compared with M shows), smaller than one tile in every direction.
+MATMUL_SHAPES = ((77, 45, 61), (32, 64, 48), (5, 7, 3))
+# Inputs are small integers in [-MATMUL_INT_RANGE, MATMUL_INT_RANGE]: every product and partial
+# sum is then exact in fp32, fp16, bf16 and TF32 (the GPU's default for fp32 tl.dot), so a
+# correct kernel matches the float64 reference on any machine, in any summation order, and the
+# mistake models below reproduce a wrong kernel's output exactly.
+MATMUL_INT_RANGE = 3
+# The overflow case: partial sums of about 16 · 150² per K tile pass fp16's largest value, 65504,
+# although the result (the two halves of K cancel) fits easily. Only an fp32 accumulator gets it.
+FP16_MAX = 65504.0
+OVERFLOW_SHAPE = (20, 32, 24)  # (M, K/2, N)
+OVERFLOW_VALUES = (100, 200)  # the range of the large entries
+
+
+def _ints(shape, gen, low=-MATMUL_INT_RANGE, high=MATMUL_INT_RANGE):
+    return torch.randint(low, high + 1, shape, generator=gen).float()
+
+
+def _overflow_case(gen) -> tuple:
+    """A = [X, X], B = [Y; -Y + E]: A @ B = X @ E is small, but X @ Y overflows fp16."""
+    m, half, n = OVERFLOW_SHAPE
+    x, y = (_ints(s, gen, *OVERFLOW_VALUES) for s in ((m, half), (half, n)))
+    e = _ints((half, n), gen, -1, 1)
+    return torch.cat([x, x], dim=1), torch.cat([y, -y + e], dim=0)
+
+
+def _matmul_cases(device: str, on_gpu: bool) -> list[Case]:
+    gen = torch.Generator().manual_seed(5_3)
+    cases = []
+    for m, k, n in MATMUL_SHAPES:
+        a, b = _ints((m, k), gen).to(device), _ints((k, n), gen).to(device)
+        cases.append(Case((a, b), label=f"{m}×{k} @ {k}×{n}"))
+    first = cases[0].args
+    cases.append(Case(tuple(x.half() for x in first), label="float16"))
+    a, b = _overflow_case(gen)
+    m, half, n = OVERFLOW_SHAPE
+    cases.append(Case((a.half().to(device), b.half().to(device)),
+                      label=f"float16, {m}×{2 * half} @ {2 * half}×{n}, partial sums past "
+                            f"fp16's max {FP16_MAX:g} (the result is small)"))
+    if on_gpu:  # the interpreter computes bf16 wrongly (FACTS.md)
+        cases.append(Case(tuple(x.bfloat16() for x in first), label="bfloat16"))
+    return cases
+
+
+def _matmul_margins(a_shape, b_shape, blocks) -> tuple[tuple, tuple, tuple]:
+    """Margins (rows, columns) of A, B and C, wide enough that even a kernel with its strides
+    swapped or its masks missing stays inside the guarded buffers."""
+    (m, k), n = a_shape, b_shape[1]
+    bm, bn, bk = blocks["block_m"], blocks["block_n"], blocks["block_k"]
+    return ((bm + k + bk, bk), (bk + n + bn, bn), (bm + n + bn, bn))
+
+
+def _swapped_read(x, margin):
+    """What a kernel with x's two strides swapped reads from x's zero-margined buffer."""
+    rows, cols = x.shape
+    row_stride = cols + margin[1]
+    flat = embed(x, margin, INPUT_MARGIN_REFILL)[1].reshape(-1)
+    i = torch.arange(rows, device=x.device)[:, None]
+    j = torch.arange(cols, device=x.device)[None, :]
+    return flat[i + j * row_stride]  # element (i, j) read at i * stride 1 + j * row_stride
+
+
+def _explain_matmul_outside(a, b, outputs, blocks):
+    """The likely cause of a matmul whose output read the inputs' margins, from a rerun with
+    zero margins: right then -> the K edge is unmasked; else a stride mix-up it reproduces."""
+    (got,) = outputs
+    atol, rtol = checks.TOLERANCES.get(str(got.dtype).replace("torch.", ""),
+                                       checks.TOLERANCES["float32"])
+    if checks.compare(got, primer.matmul_reference(a, b), atol, rtol) is None:
+        return ("the last K tile sticks out past K: mask both loads along K "
+                "(offs_k < K - k * BLOCK_K) with other=0.0, so the extra lanes add 0 to the dot")
+    margin_a, margin_b, _ = _matmul_margins(a.shape, b.shape, blocks)
+    swapped_a, swapped_b = _swapped_read(a, margin_a), _swapped_read(b, margin_b)
+    for which, (x, y) in (("A's", (swapped_a, b)), ("B's", (a, swapped_b)),
+                          ("both A's and B's", (swapped_a, swapped_b))):
+        if checks.compare(got, primer.matmul_reference(x, y), atol, rtol) is None:
+            return (f"{which} row and column strides are swapped: a row offset goes with the "
+                    f"row stride (offs_m * stride_am, offs_k * stride_bk), a column offset with "
+                    f"the column stride (offs_k * stride_ak, offs_n * stride_bn)")
+    return None
+
+
+def matmul_runner(kernel, blocks: dict | None = None) -> Callable:
+    """Run a matmul kernel on guarded 2-D tensors (margins past every edge, gaps between rows)."""
+    blocks = dict(MATMUL_CHECK_BLOCKS if blocks is None else blocks)
+
+    def run(a, b):
+        margin_a, margin_b, margin_c = _matmul_margins(a.shape, b.shape, blocks)
+        guarded = GuardedRun(
+            launch=lambda a, b, c: primer.launch_matmul(kernel, a, b, c, **blocks),
+            margins=(margin_a, margin_b),
+            outputs=(Output("c", margin_c,
+                            lambda a, b: ((a.shape[0], b.shape[1]), a.dtype)),),
+            store_hint="the edge tiles stick out past M and N: mask the tl.store with "
+                       "(offs_m[:, None] < M) & (offs_n[None, :] < N)",
+            coverage_hint="program (pid_m, pid_n) = (tl.program_id(0), tl.program_id(1)) — "
+                          "the grid's axis 0 runs along M, axis 1 along N — writes rows pid_m * BLOCK_M + tl.arange(0, BLOCK_M) and columns "
+                          "pid_n * BLOCK_N + tl.arange(0, BLOCK_N) of c, masked with offs_m < M "
+                          "and offs_n < N",
+            load_hint="a tl.load reads outside A or B — a missing mask, or a wrong offset or "
+                      "stride",
+            nonfinite_hint="the accumulator overflowed: keep acc in fp32 (tl.zeros(..., "
+                           f"dtype=tl.float32)) and convert to c's dtype only at the tl.store — "
+                           f"fp16 stops at {FP16_MAX:g}",
+            explain_outside=lambda inputs, outs: _explain_matmul_outside(*inputs, outs, blocks))
+        return guarded(a, b)
+
+    return run
+
+
+def matmul_tile(index, blocks: dict | None = None) -> str:
+    """Which program's output tile holds element ``index = (row, col)`` of C."""
+    blocks = MATMUL_CHECK_BLOCKS if blocks is None else blocks
+    bm, bn = blocks["block_m"], blocks["block_n"]
+    row, col = index
+    pid_m, pid_n = row // bm, col // bn
+    return (f"element {tuple(index)} lies in the output tile of program (pid_m={pid_m}, "
+            f"pid_n={pid_n}): rows {pid_m * bm}–{(pid_m + 1) * bm - 1}, columns "
+            f"{pid_n * bn}–{(pid_n + 1) * bn - 1} (BLOCK_M={bm}, BLOCK_N={bn})")
+
+
+def _k_tiles(k: int):
+    bk = MATMUL_CHECK_BLOCKS["block_k"]
+    return [(start, min(start + bk, k)) for start in range(0, k, bk)]
+
+
+def _matmul_k_not_advanced(a, b):
+    # every step reloads the first K tile, under the mask of the step's own tile
+    a64, b64 = a.double(), b.double()
+    out = sum(a64[:, : stop - start] @ b64[: stop - start] for start, stop in _k_tiles(a.shape[1]))
+    return out.to(a.dtype)
+
+
+def _matmul_last_tile_only(a, b):
+    start, stop = _k_tiles(a.shape[1])[-1]
+    return (a.double()[:, start:stop] @ b.double()[start:stop]).to(a.dtype)
+
+
+def _matmul_masks_m_n_mixed(a, b):
+    # A's rows masked with offs_m < N, B's columns with offs_n < M: those rows/columns read 0
+    (m, _), n = a.shape, b.shape[1]
+    a64, b64 = a.double().clone(), b.double().clone()
+    a64[n:] = 0
+    b64[:, m:] = 0
+    return (a64 @ b64).to(a.dtype)
+
+
+MATMUL_MISTAKES = {
+    "the K pointers never move: after each tl.dot advance them, a_ptrs += BLOCK_K * stride_ak "
+    "and b_ptrs += BLOCK_K * stride_bk": _matmul_k_not_advanced,
+    "acc = tl.dot(a, b) replaces the sum at every step: accumulate, acc = tl.dot(a, b, acc) "
+    "(or acc += tl.dot(a, b))": _matmul_last_tile_only,
+    "a load mask compares rows with N or columns with M: rows go with M (offs_m < M), columns "
+    "with N (offs_n < N)": _matmul_masks_m_n_mixed,
+}
+
+
+def check_matmul_kernel(kernel):
+    """Check exercise 5.3; return the learner's kernel or, if not done, the library's."""
+    rt = runtime.current()
+    return check_kernel("Exercise 5.3", kernel, matmul_runner(kernel), primer.matmul_reference,
+                        _matmul_cases(rt.device, rt.on_gpu), fallback=primer.matmul_kernel,
+                        mistakes=MATMUL_MISTAKES, locate=matmul_tile)
+
+
+MATMUL_HINTS = (
+    "Start with who owns what: <code>pid_m = tl.program_id(0)</code>, "
+    "<code>pid_n = tl.program_id(1)</code>; this program computes rows "
+    "<code>offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)</code> and columns "
+    "<code>offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)</code> of C.",
+    "A tile of A is a 2-D block of pointers: <code>a_ptr + offs_m[:, None] * stride_am + "
+    "offs_k[None, :] * stride_ak</code> with <code>offs_k = tl.arange(0, BLOCK_K)</code>, shape "
+    "(BLOCK_M, BLOCK_K). B's tile is the same with (offs_k, offs_n) and B's strides.",
+    "Before the loop: <code>acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)</code>. Loop "
+    "<code>for k in range(0, tl.cdiv(K, BLOCK_K))</code>: load both tiles, "
+    "<code>acc = tl.dot(a, b, acc)</code>, then move both pointer blocks on by BLOCK_K along K.",
+    "Masks: A's tile needs <code>(offs_m[:, None] < M) & (offs_k[None, :] < K - k * BLOCK_K)"
+    "</code>, B's <code>(offs_k[:, None] < K - k * BLOCK_K) & (offs_n[None, :] < N)</code>, both "
+    "with <code>other=0.0</code> so that masked lanes add nothing to the dot.",
+    "Store once, after the loop, in C's dtype: <code>tl.store(c_ptr + offs_m[:, None] * "
+    "stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, "
+    "None] < M) & (offs_n[None, :] < N))</code>.",
+)
+
+MATMUL_SKELETON = '''\
+pid_m = tl.program_id(axis=0)
+pid_n = tl.program_id(axis=1)
+offs_m = ...                      # (BLOCK_M,) rows of A and C
+offs_n = ...                      # (BLOCK_N,) columns of B and C
+offs_k = tl.arange(0, BLOCK_K)    # (BLOCK_K,)
+a_ptrs = ...                      # (BLOCK_M, BLOCK_K) pointers into A
+b_ptrs = ...                      # (BLOCK_K, BLOCK_N) pointers into B
+acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+for k in range(0, tl.cdiv(K, BLOCK_K)):
+    k_left = K - k * BLOCK_K
+    a = tl.load(a_ptrs, mask=..., other=0.0)
+    b = tl.load(b_ptrs, mask=..., other=0.0)
+    acc = ...
+    a_ptrs += ...
+    b_ptrs += ...
+c_ptrs = ...
+tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=...)
+'''
