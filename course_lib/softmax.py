@@ -204,12 +204,14 @@ def _validate_block_size(block_size) -> int:
     return int(block_size)
 
 
-def online_softmax_stats(x: np.ndarray, block_size: int):
+def online_softmax_stats(x: np.ndarray, block_size: int, *, update=online_update):
     """One pass over the last axis in tiles of ``block_size``: the final state ``(m, l)``.
 
     Args:
         x: scores ``(..., N)``, float32/float64 (validated like :func:`online_softmax`).
         block_size: tile width ``B`` (positive int; the last tile may be shorter).
+        update: the per-tile update, :func:`online_update` (chapter 03's checks swap in
+            mistaken ones to model wrong answers).
 
     Returns:
         ``(m, l)``, each ``(...,)`` in ``x``'s dtype. ``log-sum-exp = m + log(l)``.
@@ -219,11 +221,11 @@ def online_softmax_stats(x: np.ndarray, block_size: int):
     m = np.full(x.shape[:-1], -np.inf, dtype=x.dtype)  # (...,) the empty state
     l = np.zeros(x.shape[:-1], dtype=x.dtype)  # (...,)
     for start in range(0, x.shape[-1], block_size):
-        m, l = online_update(m, l, x[..., start:start + block_size])
+        m, l = update(m, l, x[..., start:start + block_size])
     return m, l
 
 
-def online_softmax(x, block_size: int):
+def online_softmax(x, block_size: int, *, update=online_update):
     """Softmax of the last axis computed tile by tile (online softmax), then normalised.
 
     Pass 1 streams over tiles of ``block_size`` scores, keeping only the running max and sum per
@@ -235,6 +237,7 @@ def online_softmax(x, block_size: int):
             (converted to NumPy on the CPU; float16/bfloat16 computed in float32; the result
             comes back as a tensor of the input's dtype and device).
         block_size: tile width, a positive int; need not divide ``N``.
+        update: the per-tile update, as in :func:`online_softmax_stats`.
 
     Returns:
         ``(..., N)`` weights, same type and dtype as ``x``. A row of all ``-inf`` gives zeros.
@@ -246,9 +249,9 @@ def online_softmax(x, block_size: int):
     block_size = _validate_block_size(block_size)
     torch_like = _torch_dtype_device(x)
     if torch_like is not None:
-        return _online_softmax_torch(x, block_size, *torch_like)
+        return _online_softmax_torch(x, block_size, *torch_like, update=update)
     x = _validate_scores(x)
-    m, l = online_softmax_stats(x, block_size)
+    m, l = online_softmax_stats(x, block_size, update=update)
     return _normalise(x, m, l)
 
 
@@ -265,11 +268,11 @@ def _torch_dtype_device(x):
     return x.dtype, x.device
 
 
-def _online_softmax_torch(x, block_size, dtype, device):
+def _online_softmax_torch(x, block_size, dtype, device, update=online_update):
     import torch
 
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    p = online_softmax(x.detach().to("cpu", work).numpy(), block_size)
+    p = online_softmax(x.detach().to("cpu", work).numpy(), block_size, update=update)
     return torch.from_numpy(p).to(device=device, dtype=dtype)
 
 

@@ -421,7 +421,9 @@ def flash_attention_numpy(q, k, v, causal: bool = False, scale: float | None = N
 
 def flash_attention_numpy_fa1(q, k, v, causal: bool = False, scale: float | None = None,
                               block_m: int = DEFAULT_BLOCK_M, block_n: int = DEFAULT_BLOCK_N,
-                              counter: IOCounter | None = None):
+                              counter: IOCounter | None = None, *,
+                              rule: TileRule | None = None, step=online_softmax_step,
+                              finish=finish_tile):
     """FlashAttention forward, FA1 loop order (the 2022 paper's Algorithm 1), in NumPy.
 
     The outer loop loads one K/V tile; the inner loop visits every Q tile and, for each, reads
@@ -429,14 +431,15 @@ def flash_attention_numpy_fa1(q, k, v, causal: bool = False, scale: float | None
     new tile in, and writes ``o``, ``l``, ``m`` back. ``o``, ``l``, ``m`` start in HBM as 0, 0 and
     -inf (counted as writes); a last pass reads ``m`` and ``l`` and writes ``lse = m + log l``.
 
-    Arguments and return value as :func:`flash_attention_numpy`.
+    Arguments and return value as :func:`flash_attention_numpy` (``rule``, ``step`` and
+    ``finish`` too: chapter 04's checks swap in mistaken ones to model wrong FA1 answers).
     """
     scale, block_m, block_n = _prepare(q, k, v, scale, block_m, block_n)
     n_q, n_k, d, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     batch = _batch(q)
     lead = q.shape[:-2]
     dtype = q.dtype
-    rule = _rule(causal, None)
+    rule = _rule(causal, rule)
     classes = rule.tile_classes(n_q, n_k, block_m, block_n)  # (T_r, T_c) SKIP / PARTIAL / FULL
     t_r = num_blocks(n_q, block_m)
 
@@ -472,9 +475,8 @@ def flash_attention_numpy_fa1(q, k, v, causal: bool = False, scale: float | None
             s = mask_scores(s, rule, classes[i, j], q_start, k_start, n_k)[..., :rows, :]
             # o in HBM is normalised by l_old: undo that (acc = l·o), fold the new tile in with
             # the same online-softmax update as FA2, normalise by l_new again.
-            m_new, l_new, acc = online_softmax_step(m_old, l_old, l_old[..., None] * o_old, s,
-                                                    v_tile)
-            o[..., rows_here, :] = finish_tile(m_new, l_new, acc)[0]
+            m_new, l_new, acc = step(m_old, l_old, l_old[..., None] * o_old, s, v_tile)
+            o[..., rows_here, :] = finish(m_new, l_new, acc)[0]
             l_hbm[..., rows_here], m_hbm[..., rows_here] = l_new, m_new
             if counter:
                 counter.read("q", batch * rows * d)

@@ -216,8 +216,86 @@ def test_merge_wrong_shape_named():
 def test_every_mistake_model_is_distinguishable():
     """Each recognised mistake, given as the answer, is named as itself (not as another)."""
     for check, mistakes in ((ch03.check_online_update, ch03.UPDATE_MISTAKES),
-                            (ch03.check_merge, ch03.MERGE_MISTAKES)):
+                            (ch03.check_merge, ch03.MERGE_MISTAKES),
+                            (ch03.check_online_softmax, ch03.ONLINE_SOFTMAX_MISTAKES)):
         for cause, wrong in mistakes.items():
             with pytest.raises(ExerciseFailed) as failure:
                 check(wrong)
             assert "likely cause: " + cause in str(failure.value)
+
+
+# ---- Exercise 3.3: online_softmax(x, block_size), the whole row ------------------------------
+
+def learner_softmax(x, block_size, *, rescale=True, every_tile=True, guard_masked_tile=True,
+                    guard_empty_row=True, normalise_at_end=True):
+    """A learner's answer written out, with switches for the lines learners get wrong: each
+    switch off is one realistic wrong answer (all on: a right one)."""
+    m = np.full(x.shape[:-1], -np.inf)  # (...,)
+    l = np.zeros(x.shape[:-1])
+    out = np.zeros(x.shape)
+    n = x.shape[-1] if every_tile else x.shape[-1] // block_size * block_size
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for start in range(0, n, block_size):
+            tile = x[..., start:start + block_size]  # (..., B)
+            m_new = np.maximum(m, tile.max(axis=-1))
+            shift = np.where(np.isfinite(m_new), m_new, 0.0) if guard_masked_tile else m_new
+            l = (l * np.exp(m - shift) if rescale else l) + np.exp(tile - shift[..., None]).sum(-1)
+            m = m_new
+            if not normalise_at_end:  # weights of this tile, with the sums so far
+                out[..., start:start + block_size] = np.exp(tile - m[..., None]) / l[..., None]
+        if not normalise_at_end:
+            return out.astype(x.dtype)
+        p = np.exp(x - np.where(np.isfinite(m), m, 0.0)[..., None])  # (..., N)
+        if guard_empty_row:
+            return np.divide(p, l[..., None], out=out, where=l[..., None] > 0).astype(x.dtype)
+        return (p / l[..., None]).astype(x.dtype)
+
+
+def textbook_softmax(x, block_size):
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_online_softmax_right_answers_pass(capsys):
+    assert ch03.check_online_softmax(learner_softmax) is learner_softmax
+    assert ch03.check_online_softmax(softmax.online_softmax) is softmax.online_softmax
+    assert "Exercise 3.3: passed (6 cases)" in capsys.readouterr().out
+
+
+def test_online_softmax_stub_falls_back(capsys):
+    assert ch03.check_online_softmax(stub) is softmax.online_softmax
+    assert "not done yet" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+@pytest.mark.parametrize("wrong, cause", [
+    ({"rescale": False}, ch03.NO_RESCALE),
+    ({"every_tile": False}, "the short last tile is dropped"),
+    ({"guard_empty_row": False}, ch03.ALL_MASKED_ROW_NAN),
+    ({"guard_masked_tile": False}, ch03.MASKED_FIRST_TILE_NAN + " (then a guard"),
+    ({"guard_masked_tile": False, "guard_empty_row": False}, ch03.MASKED_FIRST_TILE_NAN),
+    ({"normalise_at_end": False}, "the weights are written during the first pass"),
+    (textbook_softmax, ch03.NO_MAX),
+])
+def test_online_softmax_mistakes_rejected_and_named(wrong, cause):
+    if isinstance(wrong, dict):
+        switches = wrong
+
+        def wrong(x, block_size):
+            return learner_softmax(x, block_size, **switches)
+    with pytest.raises(ExerciseFailed) as failure:
+        ch03.check_online_softmax(wrong)
+    message = str(failure.value)
+    assert message.startswith("✗ Exercise 3.3: wrong answer on case")
+    assert message.count("likely cause: ") == 1
+    assert cause in named_cause(message)
+
+
+def test_online_softmax_has_at_least_five_mistakes():
+    assert len(ch03.ONLINE_SOFTMAX_MISTAKES) >= 5
+
+
+def test_online_softmax_library_hook_is_the_default():
+    x = np.random.default_rng(0).normal(size=(2, 9))
+    assert np.array_equal(softmax.online_softmax(x, 4, update=softmax.online_update),
+                          softmax.online_softmax(x, 4))

@@ -1,12 +1,14 @@
-"""Checks for chapter 03 (online softmax): exercise 3.1, the running update, and 3.2, the merge.
+"""Checks for chapter 03 (online softmax): exercise 3.1, the running update; 3.2, the merge of
+two ``(m, l, o)`` states; 3.3, the whole row tile by tile (``online_softmax(x, block_size)``,
+with a hint ladder: ``SOFTMAX_HINTS``, ``SOFTMAX_SKELETON``).
 
 Each check runs the learner's function on prepared cases (float64 unless a case says otherwise;
 irregular tile widths; leading batch dims; scores in the thousands; masked ``-inf`` scores) and
 compares with :mod:`course_lib.softmax`. When the answer is wrong, the known mistakes below are
 replayed on the failing case; the one that reproduces the learner's output is named.
 
-The mistake models are public (``UPDATE_MISTAKES``, ``MERGE_MISTAKES``) so that tests and
-instructors can see what is recognised.
+The mistake models are public (``UPDATE_MISTAKES``, ``MERGE_MISTAKES``,
+``ONLINE_SOFTMAX_MISTAKES``) so that tests and instructors can see what is recognised.
 """
 
 from __future__ import annotations
@@ -217,3 +219,138 @@ def check_merge(fn):
     outputs ``o``; return the function to continue with."""
     return check_function("Exercise 3.2", fn, reference=softmax.merge_states_with_output,
                           cases=_merge_cases(), mistakes=MERGE_MISTAKES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3.3: online_softmax(x, block_size), the whole row tile by tile
+# ----------------------------------------------------------------------------------------------
+
+def _weights(x, m, l):
+    """``exp(x - m) / l`` along the last axis, as a mistake computes it (no guard for -inf)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return (np.exp(x - m[..., None]) / l[..., None]).astype(x.dtype, copy=False)
+
+
+def _softmax_with_update(update):
+    """The library's online softmax with its per-tile update swapped for a mistaken one."""
+    def wrong(x, block_size):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return softmax.online_softmax(x, block_size, update=update)
+    return wrong
+
+
+def _softmax_ragged_tile_dropped(x, block_size):
+    """range(N // B) tiles: the statistics never see the short last tile."""
+    full = x.shape[-1] // block_size * block_size
+    return _weights(x, *softmax.online_softmax_stats(x[..., :full], block_size))
+
+
+def _softmax_weights_in_first_pass(x, block_size):
+    """Each tile's weights written as soon as the tile is folded in, with the partial m and l."""
+    m, l = softmax.online_softmax_stats(x[..., :0], block_size)  # the empty state
+    out = np.empty_like(x)
+    for start in range(0, x.shape[-1], block_size):
+        tile = x[..., start:start + block_size]  # (..., B)
+        m, l = softmax.online_update(m, l, tile)
+        out[..., start:start + block_size] = _weights(tile, m, l)
+    return out
+
+
+def _softmax_wrong_rows(rows_of, value=np.nan):
+    """The right weights, ``value`` in the rows ``rows_of(x, block_size)`` (boolean ``(...,)``)."""
+    def wrong(x, block_size):
+        return np.where(rows_of(x, block_size)[..., None], value,
+                        softmax.online_softmax(x, block_size)).astype(x.dtype)
+    return wrong
+
+
+def _first_tile_masked(x, block_size):
+    return _all_masked(x[..., :block_size])
+
+
+def _textbook_softmax(x, block_size):
+    """No max anywhere: ``exp(x) / sum(exp(x))``, whatever the tiles."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return softmax.naive_softmax(x)
+
+
+def _all_masked(x):
+    return np.isneginf(x).all(axis=-1)
+
+
+ALL_MASKED_ROW_NAN = ("a row of all -inf (a query that sees no key) gives NaN: its l is 0, and "
+                      "0/0 = NaN. Return zeros where l = 0, as the library does")
+MASKED_FIRST_TILE_NAN = ("a tile of all -inf while the running max is still -inf gives "
+                         "exp(-inf - (-inf)) = exp(NaN), and the row's l stays NaN: subtract 0 "
+                         "instead of m while m is -inf (only the empty state has m = -inf)")
+
+# The masked-row mistakes come first: on the masked case the textbook formula gives the same NaN
+# row (0/0); it is recognised earlier, on the float32 case, by its overflow.
+ONLINE_SOFTMAX_MISTAKES = {
+    ALL_MASKED_ROW_NAN: _softmax_wrong_rows(lambda x, block_size: _all_masked(x)),
+    MASKED_FIRST_TILE_NAN: _softmax_wrong_rows(_first_tile_masked),
+    MASKED_FIRST_TILE_NAN + " (then a guard `where l > 0` turned the NaN row into zeros)":
+        _softmax_wrong_rows(_first_tile_masked, 0.0),
+    NO_RESCALE: _softmax_with_update(_update_no_rescale),
+    NO_MAX + " (this is the textbook exp(x) / sum(exp(x)))": _textbook_softmax,
+    WRONG_SIGN: _softmax_with_update(_update_wrong_sign),
+    "each tile is exponentiated relative to its own max; use the running max m_new, the same "
+    "reference as the rescaled old sum": _softmax_with_update(_update_tile_own_max),
+    "the short last tile is dropped (range(N // block_size)): loop over range(0, N, block_size) "
+    "so the statistics see every score": _softmax_ragged_tile_dropped,
+    "the weights are written during the first pass, with the max and sum of the tiles seen so "
+    "far: normalise after the last tile, with the final m and l": _softmax_weights_in_first_pass,
+}
+
+
+def _online_softmax_cases() -> list[Case]:
+    rng = np.random.default_rng(305)
+    masked = rng.normal(size=(4, 10))  # (rows, N) in tiles of 3: 3 + 3 + 3 + 1
+    masked[0, [1, 4, 9]] = -np.inf  # some scores masked
+    masked[1] = -np.inf  # a query that sees no key
+    masked[2, :4] = -np.inf  # the first tile all -inf, later ones not
+    masked[3] = np.linspace(-3.0, 6.0, 10)  # the max grows in every tile
+    return [
+        Case((4.0 * rng.normal(size=(3, 37)), 5), label="N = 37 in tiles of 5 (the last has 2)"),
+        Case((rng.normal(size=(2, 3, 11)), 4), label="leading dims (2, 3), N = 11, tiles of 4"),
+        Case(((1000.0 + 3.0 * rng.normal(size=(4, 13))).astype(np.float32), 6),
+             label="float32 scores around 1000"),
+        Case((masked, 3), label="masked scores: a row of all -inf, a row whose first tile is -inf"),
+        Case((rng.normal(size=(2, 7)), 16), label="one tile, wider than the row"),
+        Case((rng.normal(size=(3, 6)), 1), label="tiles of one score"),
+    ]
+
+
+SOFTMAX_HINTS = [
+    "Two passes. The first walks over the tiles <code>x[..., start:start + block_size]</code> for "
+    "<code>start</code> in <code>range(0, N, block_size)</code> (the last tile may be shorter) and "
+    "keeps only <code>m</code> and <code>l</code> per row; the second writes the weights.",
+    "Start from the empty state, <code>m = -inf</code>, <code>l = 0</code>, one per row (shape "
+    "<code>x.shape[:-1]</code>).",
+    "Each tile: <code>m_new = max(m, max(tile))</code>, <code>l = l·exp(m - m_new) + "
+    "Σ exp(tile - m_new)</code>, then <code>m = m_new</code> (exercise 3.1's update).",
+    "Masked scores: while a row has seen only -inf, <code>m_new</code> is -inf and "
+    "<code>tile - m_new</code> is NaN. Subtract <code>where(isfinite(m_new), m_new, 0)</code> "
+    "instead.",
+    "After the last tile: <code>exp(x - m) / l</code> (with the same guard on <code>m</code>), "
+    "zeros where <code>l = 0</code>, in <code>x</code>'s dtype.",
+]
+
+SOFTMAX_SKELETON = '''\
+m = ...                                        # (...,) -inf: the empty state
+l = ...                                        # (...,) 0
+for start in range(0, x.shape[-1], block_size):
+    tile = x[..., start:start + block_size]    # (..., B), the last may be shorter
+    m_new = ...
+    shift = ...                                # m_new, or 0 where it is still -inf
+    l = ...                                    # rescale the old sum, add the tile's
+    m = m_new
+p = ...                                        # exp(x - m), guarded like shift
+return ...                                     # p / l, zeros where l = 0, x's dtype'''
+
+
+def check_online_softmax(fn):
+    """Check exercise 3.3, ``online_softmax(x, block_size) -> weights`` over the last axis, tile
+    by tile; return the function to continue with (the library's when not done yet)."""
+    return check_function("Exercise 3.3", fn, reference=softmax.online_softmax,
+                          cases=_online_softmax_cases(), mistakes=ONLINE_SOFTMAX_MISTAKES)
