@@ -14,19 +14,57 @@ only part of a row, which is what tells "D from this tile's P ∘ dP" apart from
 Tiles are ragged and unequal (BLOCK_M ≠ BLOCK_N, d ≠ d_v) except the first case of 7.2 and 7.3,
 which is square on purpose: there a transposition or broadcasting mistake gives a wrong answer
 of the right shape, so the check can name it instead of just reporting a shape error.
+
+The large exercises (each with hints and a skeleton for :class:`course_lib.widgets.hints.HintLadder`):
+
+* Exercise 7.4 — ``flash_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n)``: the
+  whole tiled backward of one head in NumPy (outer loop over K/V tiles, inner over Q tiles, dQ
+  added into a full array), checked against :func:`tiled_backward.flash_attention_numpy_backward`.
+* Exercise 7.5 — ``dkdv_kernel`` and ``dq_kernel``: the Triton backward, two kernels with the
+  library's argument names; ``DELTA`` (the paper's D) is the library's ``preprocess_kernel``, run
+  by :func:`launch_backward`. Checked on guarded buffers (chapter 05's harness) against float64
+  autograd. The answer keys (also the fallback) are this module's :func:`dkdv_kernel` and
+  :func:`dq_kernel`, whose ``MISTAKE`` switch replays the classic mistakes.
+* Exercise 7.6 — a ``torch.autograd.Function`` around the library's forward kernel and the
+  learner's backward kernels: o and gradients against float64 autograd, then a few training
+  steps of :mod:`course_lib.tinylm` against SDPA.
+
+A wrong gradient gets one diagnosis (:func:`_gradient_diagnosis`): the case, which of dq/dk/dv
+is wrong, its first bad row and the tile that row belongs to, the max error, and the known
+mistake that reproduces the answer on the same input.
 """
 
 from __future__ import annotations
 
+import warnings
 
 import numpy as np
 
+from course_lib import runtime
 from course_lib import tiled_backward as tb
-from course_lib.checks import Case, check_function
-from course_lib.reference import default_scale, naive_attention_numpy
+from course_lib.checks import (Case, ExerciseFailed, _default_tolerance, check_function, compare,
+                               describe_value, to_numpy64)
+from course_lib.reference import default_scale, naive_attention_numpy, naive_attention_torch
+
+_rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from course_lib.exercises import ch05  # noqa: E402
+from course_lib.kernels import backward  # noqa: E402
+from course_lib.kernels import forward as forward_kernel  # noqa: E402
+from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
 __all__ = ["D_MISTAKES", "DS_MISTAKES", "DK_DV_MISTAKES", "d_cases", "ds_cases", "dk_dv_cases",
-           "check_compute_d", "check_ds_tile", "check_dk_dv_step"]
+           "check_compute_d", "check_ds_tile", "check_dk_dv_step",
+           "BACKWARD_MISTAKES", "BACKWARD_HINTS", "BACKWARD_SKELETON", "backward_cases",
+           "check_flash_backward",
+           "KERNEL_MISTAKES", "KERNEL_HINTS", "KERNEL_SKELETON", "kernel_cases", "dkdv_kernel",
+           "dq_kernel", "launch_backward", "reference_gradients", "check_backward_kernels",
+           "FUNCTION_MISTAKES", "FUNCTION_HINTS", "FUNCTION_SKELETON", "function_cases",
+           "run_function", "function_reference", "check_autograd_function"]
 
 _SEED = 707
 
@@ -227,3 +265,883 @@ def check_dk_dv_step(fn):
     """Exercise 7.3: check the learner's ``dk_dv_step(...)``; returns the function to use."""
     return _check("Exercise 7.3", fn, tb.dk_dv_step, dk_dv_cases(), DK_DV_MISTAKES,
                   writable=("dk_j", "dv_j"))  # an in-place `dk_j += ...` is a fine answer
+
+
+# ----------------------------------------------------------------------------------------------
+# One diagnosis for a wrong gradient (Exercises 7.4 – 7.6)
+# ----------------------------------------------------------------------------------------------
+
+# Which tiles each output's rows belong to: dq (and o) rows are query rows, cut into BLOCK_M
+# tiles; dk and dv rows are key rows, cut into BLOCK_N tiles.
+_ROW_TILES = {"o": ("Q tile", "block_m"), "dq": ("Q tile", "block_m"),
+              "dk": ("K/V tile", "block_n"), "dv": ("K/V tile", "block_n")}
+
+
+def _first_bad(got, want, atol, rtol):
+    """(index, max abs error) of the first element of ``got`` outside tolerance, or None."""
+    g, w = to_numpy64(got), to_numpy64(want)
+    bad = ~np.isclose(g, w, atol=atol, rtol=rtol) | (np.isnan(g) & ~np.isnan(w))
+    if not bad.any():
+        return None
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    diff = np.abs(g - w)
+    err = float(np.nanmax(diff)) if np.isfinite(diff).any() else float("nan")
+    return idx, (float("inf") if np.isnan(g).any() or np.isinf(g).any() else err), g[idx], w[idx]
+
+
+def _same_layout(got, want) -> bool:
+    """``got`` is a tuple of arrays/tensors with ``want``'s types, shapes and dtypes (so the
+    answer is wrong in its values only, which is what :func:`_gradient_diagnosis` explains)."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        return False
+    return all(type(g) is type(w) and tuple(g.shape) == tuple(w.shape)
+               and str(g.dtype) == str(w.dtype) for g, w in zip(got, want))
+
+
+def _gradient_diagnosis(exercise, n, n_cases, case, got, want, names, blocks, tolerance,
+                        mistakes, subject="your function"):
+    """The lines of one diagnosis: which case, which output, first bad row and its tile, max
+    error, and the known mistake that reproduces the answer on the same input (if any)."""
+    atol, rtol = tolerance
+    wrong = [(name, _first_bad(g, w, atol, rtol)) for name, g, w in zip(names, got, want)]
+    wrong = [(name, bad) for name, bad in wrong if bad is not None]
+    lines = [f"✗ {exercise}: wrong answer on case {n} of {n_cases} — {case.label}"]
+    name, (idx, err, g, w) = wrong[0]
+    row, col = idx[-2], idx[-1]
+    what, block_name = _ROW_TILES[name]
+    block = blocks[block_name]
+    n_rows = np.shape(got[names.index(name)])[-2]
+    tile = row // block
+    head = (f" (batch {idx[0]}, head {idx[1]})" if len(idx) == 4
+            else f" (leading index {idx[:-2]})" if len(idx) > 2 else "")
+    got_text = "NaN" if np.isnan(g) else f"{g:.6g}"
+    lines.append(f"  {name} is wrong: max abs error {err:.3g} (tolerance atol={atol:g}, "
+                 f"rtol={rtol:g}); first bad row {row}{head}, column {col}: got {got_text}, "
+                 f"expected {w:.6g}")
+    lines.append(f"  row {row} lies in {what} {tile} (rows {tile * block}.."
+                 f"{min((tile + 1) * block, n_rows) - 1}, {block_name}={block})")
+    others = [other for other, _ in wrong[1:]]
+    right = [x for x in names if x not in {nm for nm, _ in wrong}]
+    lines.append("  " + "; ".join(part for part in (
+        f"also wrong: {', '.join(others)}" if others else "",
+        f"right: {', '.join(right)}" if right else "") if part))
+    for cause, wrong_fn in (mistakes or {}).items():
+        try:
+            mistaken = wrong_fn(*case.args, **(case.kwargs or {}))
+        except Exception:  # noqa: BLE001 - a mistake that cannot run on this case does not match
+            continue
+        if all(compare(g_, m_, atol, rtol, equal_nan=True) is None for g_, m_ in zip(got, mistaken)):
+            lines.append(f"  likely cause: {cause}")
+            break
+    return [line for line in lines if line.strip()]
+
+
+def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, names, blocks_of,
+                     tolerance=None, kernel_check=None, answer=None, quiet=False):
+    """Run ``fn`` through :func:`check_function` (or ``kernel_check``, chapter 05's guarded
+    :func:`~course_lib.exercises.ch05.check_kernel`) for everything that is not about values —
+    not done yet, crashes, None, wrong shapes, inputs changed in place, endless loops, stores out
+    of bounds — and replace its message for a wrong value by one gradient diagnosis.
+
+    ``blocks_of(case) -> {"block_m": .., "block_n": ..}``; ``tolerance``: ``(atol, rtol)``,
+    default by the outputs' dtype (``checks.TOLERANCES``).
+    """
+    cases = list(cases)
+    state = {"n": 0, "last": None, "problem": None}
+
+    def tracked_reference(*args, **kwargs):
+        state["n"] += 1
+        state["last"] = None
+        return reference(*args, **kwargs)
+
+    def recorded(*args, **kwargs):
+        try:
+            out = fn(*args, **kwargs)
+        except _Diagnosed as exc:  # the runner named the cause: that is the whole diagnosis
+            state["problem"] = str(exc)
+            raise
+        state["last"] = out
+        return out
+
+    try:
+        if kernel_check is not None:
+            return kernel_check(exercise, answer, recorded, tracked_reference, cases,
+                                fallback=fallback, tolerance=tolerance)
+        chosen = check_function(exercise, recorded, tracked_reference, cases, fallback=fallback,
+                                tolerance=tolerance, quiet=quiet)
+        return fn if chosen is recorded else chosen
+    except ExerciseFailed as failure:
+        n, got = state["n"], state["last"]
+        if state["problem"] is not None:
+            raise ExerciseFailed(f"✗ {exercise}: {state['problem']}\n  on case {n} of "
+                                 f"{len(cases)} — {cases[n - 1].label}") from None
+        if got is None or "wrong answer on case" not in str(failure) or not 1 <= n <= len(cases):
+            raise
+        case = cases[n - 1]
+        want = reference(*case.args, **(case.kwargs or {}))
+        if not _same_layout(got, want):
+            raise
+        tol = tolerance or _default_tolerance(want)
+        lines = _gradient_diagnosis(exercise, n, len(cases), case, got, want, names,
+                                    blocks_of(case), tol, mistakes)
+        raise ExerciseFailed("\n".join(lines)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7.4: the whole tiled backward in NumPy
+# ----------------------------------------------------------------------------------------------
+
+def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, mistake=None):
+    """The one-pass tiled backward (outer loop over K/V tiles, inner over Q tiles, dQ added into
+    the full array) with one classic mistake switched on; ``mistake=None`` is the answer."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    d_all = np.sum(do * o, axis=-1)  # (N_q,)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    kv_end = (n_k // block_n) * block_n if mistake == "drop_tail" else n_k
+    for k_start in range(0, kv_end, block_n):
+        k_end = min(k_start + block_n, n_k)
+        k_j, v_j = k[k_start:k_end], v[k_start:k_end]  # (BLOCK_N, d), (BLOCK_N, d_v)
+        dk_j, dv_j = np.zeros_like(k_j), np.zeros_like(v_j)
+        for q_start in range(0, n_q, block_m):
+            q_end = min(q_start + block_m, n_q)
+            if causal and q_end - 1 < k_start:
+                continue  # every query of this tile comes before every key: fully masked
+            rows = slice(q_start, q_end)
+            q_i, do_i, lse_i = q[rows], do[rows], lse[rows]
+            s = scale * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
+            if causal and mistake != "no_mask":
+                s = np.where(np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None],
+                             s, -np.inf)
+            if mistake == "tile_softmax":
+                with np.errstate(invalid="ignore"):  # rows with every key hidden: 0/0
+                    p = np.exp(s - s.max(axis=-1, keepdims=True))
+                    p = np.nan_to_num(p / p.sum(axis=-1, keepdims=True))
+            elif mistake == "no_lse":
+                p = np.exp(s)
+            else:
+                p = np.exp(s - lse_i[:, None])
+            dv_j = dv_j + (p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i)
+            dp = do_i @ v_j.T  # (BLOCK_M, BLOCK_N)
+            d_i = np.sum(p * dp, axis=-1) if mistake == "d_from_tile" else d_all[rows]
+            ds = p * (dp - d_i[:, None])  # (BLOCK_M, BLOCK_N)
+            dk_j = dk_j + (1.0 if mistake == "dk_no_scale" else scale) * (ds.T @ q_i)
+            dq_new = (1.0 if mistake == "dq_no_scale" else scale) * (ds @ k_j)
+            if mistake == "dq_overwrite":
+                dq[rows] = dq_new
+            else:
+                dq[rows] += dq_new
+        dk[k_start:k_end], dv[k_start:k_end] = dk_j, dv_j
+    return dq, dk, dv
+
+
+def _backward_mistake(name):
+    def wrong(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+        return _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n,
+                                 mistake=name)
+    wrong.__name__ = f"flash_backward_{name}"
+    return wrong
+
+
+BACKWARD_MISTAKES = {
+    "the scale is missing from dK: dk_j += scale · dSᵀ q_i (S = scale · q kᵀ, so the chain "
+    "rule brings the scale back)": _backward_mistake("dk_no_scale"),
+    "the scale is missing from dQ: dq[rows] += scale · dS k_j": _backward_mistake("dq_no_scale"),
+    "D was computed from this tile's P ∘ dP, which sums only BLOCK_N of each row's N_k columns "
+    "— compute D = rowsum(dO ∘ O) once, before the loops": _backward_mistake("d_from_tile"),
+    "P was rebuilt with a softmax over this tile alone: the tile holds only part of each row; "
+    "use the saved statistics, P = exp(S − lse)": _backward_mistake("tile_softmax"),
+    "P = exp(S) without subtracting the saved lse (P = exp(S − lse_i[:, None]))":
+        _backward_mistake("no_lse"),
+    "dV uses P instead of Pᵀ: dv_j += Pᵀ dO_i (keys along the rows of the result)":
+        _backward_mistake("dv_p_not_pt"),
+    "the causal mask is not applied when P is rebuilt: in tiles that straddle the diagonal, "
+    "keys j > i must get P = 0 (set their scores to -inf before the exp)":
+        _backward_mistake("no_mask"),
+    "dQ is overwritten, not accumulated: each K/V tile adds its part, dq[rows] += scale · dS k_j "
+    "(with the K/V loop outside, dQ's sum runs across the outer loop)":
+        _backward_mistake("dq_overwrite"),
+    "the last, shorter K/V tile is dropped: range(0, n_k // block_n * block_n, block_n) stops "
+    "before the ragged tail — loop over range(0, n_k, block_n) and slice to min(k_start + "
+    "block_n, n_k)": _backward_mistake("drop_tail"),
+}
+
+
+def _reference_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    return tb.flash_attention_numpy_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n)
+
+
+def backward_cases(seed: int = _SEED + 4) -> list[Case]:
+    """Whole problems, one head: square tiles first (a transposition mistake then has the right
+    shape and can be named), then ragged N, N_q ≠ N_k both ways, d ≠ d_v, causal and not,
+    a non-default scale, and float32."""
+    rng = np.random.default_rng(seed)
+    specs = [  # (n_q, n_k, d, d_v, causal, block_m, block_n, scale, dtype)
+        (32, 32, 16, 16, False, 16, 16, None, np.float64),
+        (48, 48, 8, 8, True, 16, 16, None, np.float64),
+        (45, 38, 12, 8, True, 16, 12, 0.3, np.float64),
+        (29, 53, 16, 12, False, 8, 16, None, np.float64),
+        (37, 37, 16, 16, True, 10, 7, None, np.float32),
+    ]
+    cases = []
+    for n_q, n_k, d, d_v, causal, block_m, block_n, scale, dtype in specs:
+        scale = default_scale(d) if scale is None else scale
+        q = rng.standard_normal((n_q, d)).astype(dtype)
+        k = rng.standard_normal((n_k, d)).astype(dtype)
+        v = rng.standard_normal((n_k, d_v)).astype(dtype)
+        do = rng.standard_normal((n_q, d_v)).astype(dtype)
+        o, lse = naive_attention_numpy(q, k, v, causal, scale)
+        label = (f"{'causal' if causal else 'non-causal'}, N_q={n_q}, N_k={n_k}, d={d}, "
+                 f"d_v={d_v}, block_m={block_m}, block_n={block_n}, scale={scale:.3g}, "
+                 f"{np.dtype(dtype).name}")
+        cases.append(Case((q, k, v, o.astype(dtype), lse.astype(dtype), do, causal, scale,
+                           block_m, block_n), label=label))
+    return cases
+
+
+def _numpy_blocks(case):
+    return {"block_m": case.args[8], "block_n": case.args[9]}
+
+
+BACKWARD_HINTS = [
+    "Three outputs, one pass over tiles: an outer loop over K/V tiles j (k_j, v_j and their "
+    "accumulators dk_j, dv_j stay put), an inner loop over Q tiles i. dQ needs a sum over K/V "
+    "tiles, which here is the <i>outer</i> loop: keep dq as a full (N_q, d) array of zeros and "
+    "add into dq[rows] from inside the inner loop.",
+    "Before the loops: D = rowsum(dO ∘ O), one number per query row (Exercise 7.1). Never "
+    "rebuild it from a tile: a tile holds only part of a row.",
+    "Inside: rebuild P from the saved lse, p = exp(scale · q_i k_jᵀ − lse_i[:, None]); no "
+    "softmax, lse already holds the row's max and sum. Causal: set the scores of keys j > i to "
+    "-inf before the exp, and skip a tile when its last query row q_end − 1 is before k_start.",
+    "Then the five lines of section 1, on tiles: dv_j += pᵀ do_i; dp = do_i v_jᵀ; "
+    "ds = p ∘ (dp − D_i) (Exercise 7.2); dk_j += scale · dsᵀ q_i; dq[rows] += scale · ds k_j.",
+    "Ragged N: loop over range(0, n, block) and slice to min(start + block, n); the last tile "
+    "is simply shorter. Write dk_j, dv_j into dk, dv once, after the inner loop.",
+]
+
+BACKWARD_SKELETON = '''\
+def flash_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    n_q, n_k = q.shape[0], k.shape[0]
+    d_all = ...                                   # (N_q,)  D = rowsum(dO ∘ O)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for k_start in range(0, n_k, block_n):        # outer: one K/V tile, kept "on chip"
+        k_end = min(k_start + block_n, n_k)
+        k_j, v_j = k[k_start:k_end], v[k_start:k_end]
+        dk_j, dv_j = np.zeros_like(k_j), np.zeros_like(v_j)
+        for q_start in range(0, n_q, block_m):    # inner: the Q tiles stream past
+            q_end = min(q_start + block_m, n_q)
+            if causal and ...:                    # whole tile above the diagonal?
+                continue
+            rows = slice(q_start, q_end)
+            s = ...                               # (BLOCK_M, BLOCK_N) scale · q_i k_jᵀ, masked
+            p = ...                               # P rebuilt from lse
+            dv_j = ...
+            dp = ...
+            ds = ...
+            dk_j = ...
+            dq[rows] += ...
+        dk[k_start:k_end], dv[k_start:k_end] = dk_j, dv_j
+    return dq, dk, dv
+'''
+
+
+def check_flash_backward(fn):
+    """Exercise 7.4: check the learner's ``flash_backward(q, k, v, o, lse, do, causal, scale,
+    block_m, block_n) -> (dq, dk, dv)`` (one head, 2-D arrays); returns the function to use
+    (the library's :func:`course_lib.tiled_backward.flash_attention_numpy_backward` when not
+    done yet)."""
+    return _check_gradients("Exercise 7.4", fn, _reference_backward, backward_cases(),
+                            fallback=tb.flash_attention_numpy_backward,
+                            mistakes=BACKWARD_MISTAKES, names=("dq", "dk", "dv"),
+                            blocks_of=_numpy_blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7.5: the Triton backward — a dK/dV kernel and a dQ kernel
+# ----------------------------------------------------------------------------------------------
+# The learner writes two kernels with the library's argument names (a simpler signature than
+# course_lib.kernels.backward's: no head-dim padding, natural exp, fp32 accumulators); D (the
+# code's DELTA) comes from the library's preprocess kernel, launched by launch_backward.
+
+# 16 is the smallest tile tl.dot accepts, so the checks' short sequences already span several
+# tiles; square tiles keep a P-for-Pᵀ mistake the right shape, so the check can name it.
+CHECK_BLOCK = 16
+
+# Mistake switches of the model kernels below (0 = the answer key); constexpr, so that the
+# kernels may read them.
+_MISTAKE_NAMES = ("dk_no_scale", "dq_no_scale", "d_from_tile", "tile_softmax", "no_causal_mask",
+                  "dv_p_not_pt", "dq_overwrite", "exp2_lse_natural", "no_lse")
+KERNEL_MISTAKE_CODES = {name: code for code, name in enumerate(_MISTAKE_NAMES, 1)}
+_DK_NO_SCALE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dk_no_scale"])
+_DQ_NO_SCALE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dq_no_scale"])
+_D_FROM_TILE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["d_from_tile"])
+_TILE_SOFTMAX: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["tile_softmax"])
+_NO_CAUSAL_MASK: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["no_causal_mask"])
+_DV_P_NOT_PT: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dv_p_not_pt"])
+_DQ_OVERWRITE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dq_overwrite"])
+_EXP2_LSE_NATURAL: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["exp2_lse_natural"])
+_NO_LSE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["no_lse"])
+
+
+@triton.jit
+def _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL: tl.constexpr, MISTAKE: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of P from the saved lse, 0 where key ``cols`` is hidden from
+    query ``rows`` (past the end, or after the query when causal)."""
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (BLOCK_M, BLOCK_N)
+    visible = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+    if CAUSAL:
+        if MISTAKE != _NO_CAUSAL_MASK:
+            visible = visible & (cols[None, :] <= rows[:, None])
+    if MISTAKE == _TILE_SOFTMAX:
+        s = tl.where(visible, s, float("-inf"))
+        e = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = e / tl.sum(e, axis=1)[:, None]
+    elif MISTAKE == _NO_LSE:
+        p = tl.exp(s)
+    elif MISTAKE == _EXP2_LSE_NATURAL:
+        p = tl.math.exp2(s * LOG2_E - lse[:, None])  # lse left in natural-log units
+    else:
+        p = tl.exp(s - lse[:, None])
+    return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_dob, stride_doh, stride_don, stride_dod,
+                stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV share one layout
+                n_heads, n_q, n_k, scale,
+                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    """Exercise 7.5's answer key: dK and dV for one BLOCK_N tile of keys of one (batch, head).
+
+    Grid ``(cdiv(n_k, BLOCK_N), B · H)``; Q, DO, O: (B, H, N_q, d); K, V, DK, DV: (B, H, N_k, d);
+    LSE, DELTA: (B, H, N_q) contiguous fp32. ``MISTAKE`` (not part of the exercise) switches on
+    one classic mistake, for the check's diagnoses.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    cols = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) this program's keys
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_mask = cols[:, None] < n_k  # (BLOCK_N, 1): the last tile may stick out past N_k
+    k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
+    v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_lo = 0
+    if CAUSAL:  # Q tiles before this one hold only queries i < start_n: they see none of it
+        q_lo = (start_n // BLOCK_M) * BLOCK_M
+    for start_m in range(q_lo, n_q, BLOCK_M):
+        rows = start_m + offs_m  # (BLOCK_M,)
+        q_mask = rows[:, None] < n_q
+        q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
+                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)  # (BLOCK_M, d)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don
+                     + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)  # (BLOCK_M, d)
+        lse = tl.load(LSE + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
+        delta = tl.load(DELTA + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
+        p = _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL, MISTAKE)  # (BLOCK_M, BLOCK_N)
+        if MISTAKE == _DV_P_NOT_PT:
+            dv += tl.dot(p.to(do.dtype), do)
+        else:
+            dv += tl.dot(tl.trans(p).to(do.dtype), do)  # (BLOCK_N, d)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        if MISTAKE == _D_FROM_TILE:
+            delta = tl.sum(p * dp, axis=1)
+        ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q)  # (BLOCK_N, d)
+    if MISTAKE != _DK_NO_SCALE:
+        dk = dk * scale  # dK = scale · dSᵀ Q: the scale, once, after the loop
+    out = b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+              stride_qb, stride_qh, stride_qn, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_dob, stride_doh, stride_don, stride_dod,
+              stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+              n_heads, n_q, n_k, scale,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    """Exercise 7.5's answer key: dQ for one BLOCK_M tile of queries of one (batch, head).
+
+    Grid ``(cdiv(n_q, BLOCK_M), B · H)``; shapes as :func:`dkdv_kernel`.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    rows = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) this program's queries
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_mask = rows[:, None] < n_q
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)  # (BLOCK_M, d)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don
+                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)  # (BLOCK_M, d)
+    lse = tl.load(LSE + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
+    delta = tl.load(DELTA + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_end = n_k
+    if CAUSAL:  # the tile's last query, start_m + BLOCK_M - 1, sees keys up to itself
+        kv_end = tl.minimum(n_k, start_m + BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,)
+        kv_mask = cols[:, None] < n_k
+        k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
+        v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
+        p = _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL, MISTAKE)  # (BLOCK_M, BLOCK_N)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        if MISTAKE == _D_FROM_TILE:
+            delta = tl.sum(p * dp, axis=1)
+        ds = p * (dp - delta[:, None])
+        if MISTAKE == _DQ_OVERWRITE:
+            dq = tl.dot(ds.to(k.dtype), k).to(tl.float32)
+        else:
+            dq += tl.dot(ds.to(k.dtype), k)  # (BLOCK_M, d)
+    if MISTAKE != _DQ_NO_SCALE:
+        dq = dq * scale  # dQ = scale · dS K
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal: bool, scale: float,
+                    block_m: int = CHECK_BLOCK, block_n: int = CHECK_BLOCK,
+                    dq=None, dk=None, dv=None, mistake: str | None = None):
+    """Run the backward with two kernels of Exercise 7.5's signatures.
+
+    Args:
+        q, o, do: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``; any strides, one dtype;
+            ``d`` a power of two ≥ 16. lse: ``(B, H, N_q)`` contiguous fp32, as
+            :func:`course_lib.kernels.forward.attention_forward` returns it.
+        dq, dk, dv: where to write (default: new tensors shaped like q, k, v).
+
+    Returns:
+        ``(dq, dk, dv)``. ``DELTA = rowsum(dO ∘ O)`` (the paper's D) comes from the library's
+        ``preprocess_kernel``.
+    """
+    batch, heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if dk.stride() != dv.stride():
+        raise ValueError(f"dk and dv must share one layout, got strides {dk.stride()} and {dv.stride()}")
+    delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)  # (B, H, N_q)
+    backward.preprocess_kernel[(triton.cdiv(n_q, backward.PREPROCESS_BLOCK_M) * batch * heads,)](
+        o, do, delta, *o.stride(), *do.stride(), heads, n_q, HEAD_DIM_REAL=d, HEAD_DIM=d,
+        ACC_DTYPE=tl.float32, BLOCK_M=backward.PREPROCESS_BLOCK_M)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    meta = dict(HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n)
+    if mistake is not None:
+        meta["MISTAKE"] = KERNEL_MISTAKE_CODES[mistake]  # the model kernels only
+    dkdv[(triton.cdiv(n_k, block_n), batch * heads)](
+        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), heads, n_q, n_k, float(scale), **meta)
+    dq_kern[(triton.cdiv(n_q, block_m), batch * heads)](
+        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), heads, n_q, n_k, float(scale), **meta)
+    return dq, dk, dv
+
+
+def reference_gradients(q, k, v, o, lse, do, causal: bool, scale: float):
+    """float64 autograd of the naive attention, rounded to the inputs' dtype: ``(dq, dk, dv)``."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, _ = naive_attention_torch(q64, k64, v64, causal, scale)
+    out.backward(do.double())
+    return tuple(x.grad.to(q.dtype) for x in (q64, k64, v64))
+
+
+def _kernel_case_dtypes():
+    # fp32 is exact only in the interpreter (TF32 products on a GPU); bf16 only on a GPU.
+    return (torch.float32, torch.float16) if _rt.interpreted else (torch.float16, torch.bfloat16)
+
+
+def _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale, device):
+    """(q, k, v, o, lse, do): random inputs; o and lse from the float64 forward (lse fp32)."""
+    q = torch.randn(batch, heads, n_q, d, generator=gen)
+    k, v = (torch.randn(batch, heads, n_k, d, generator=gen) for _ in range(2))
+    do = torch.randn(batch, heads, n_q, d, generator=gen)
+    o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
+    to = dict(device=device, dtype=dtype)
+    return (q.to(**to), k.to(**to), v.to(**to), o.to(**to), lse.float().to(device), do.to(**to))
+
+
+# (batch, heads, n_q, n_k, d, causal): square and tile-aligned first (a P-for-Pᵀ mistake keeps
+# its shape and can be named), then ragged N, N_q > N_k and N_q < N_k, causal and not, d = 32.
+KERNEL_SPECS = ((1, 2, 32, 32, 16, False), (1, 1, 45, 45, 32, True), (2, 1, 50, 29, 16, True),
+                (1, 2, 23, 40, 16, False))
+
+
+def kernel_cases(seed: int = 7_5) -> list[Case]:
+    """Exercise 7.5's cases: KERNEL_SPECS in the exact dtype, two of them again in the fast one."""
+    gen = torch.Generator().manual_seed(seed)
+    exact, fast = _kernel_case_dtypes()
+    specs = [spec + (exact,) for spec in KERNEL_SPECS] + [KERNEL_SPECS[1] + (fast,),
+                                                          KERNEL_SPECS[3] + (fast,)]
+    cases = []
+    for batch, heads, n_q, n_k, d, causal, dtype in specs:
+        scale = default_scale(d)
+        args = _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale, _rt.device)
+        label = (f"{'causal' if causal else 'non-causal'}, (B, H)=({batch}, {heads}), N_q={n_q}, "
+                 f"N_k={n_k}, d={d}, {str(dtype).replace('torch.', '')}, "
+                 f"BLOCK_M=BLOCK_N={CHECK_BLOCK}")
+        cases.append(Case(args, {"causal": causal, "scale": scale}, label=label))
+    return cases
+
+
+# Margins around each (B, H, N, d) tensor: a tile's worth of rows after every head (a missing
+# row mask then reads NaN instead of the next head's rows) and a few columns after every row (so
+# stride_qn != d and a kernel that assumes contiguous rows shows). LSE and DELTA stay contiguous.
+ROW_MARGIN = CHECK_BLOCK
+COL_MARGIN = 8
+_MARGIN_4D = (0, 0, ROW_MARGIN, COL_MARGIN)
+
+
+def _like(i):
+    return lambda *inputs: (tuple(inputs[i].shape), inputs[i].dtype)
+
+
+def kernel_runner(dkdv, dq_kern, causal, scale, mistakes=None) -> ch05.GuardedRun:
+    """A guarded run of the two kernels on ``(q, k, v, o, lse, do)``."""
+    def launch(q, k, v, o, lse, do, dq, dk, dv):
+        launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal, scale, dq=dq, dk=dk, dv=dv)
+
+    def explain_nonfinite(inputs, outputs):
+        for cause, wrong in (mistakes or {}).items():
+            expected = wrong(*inputs, causal=causal, scale=scale)
+            atol, rtol = _default_tolerance(expected)
+            if all(compare(g, w, atol, rtol, equal_nan=True) is None
+                   for g, w in zip(outputs, expected)):
+                return cause
+        return None
+
+    return ch05.GuardedRun(
+        launch=launch, margins=(_MARGIN_4D,) * 4 + ((1, 0, 0), _MARGIN_4D),
+        outputs=(ch05.Output("dq", _MARGIN_4D, _like(0)), ch05.Output("dk", _MARGIN_4D, _like(1)),
+                 ch05.Output("dv", _MARGIN_4D, _like(2))),
+        store_hint="the last, ragged tile sticks out past N: mask every tl.store with rows < n_q "
+                   "(dq) or cols < n_k (dk, dv)",
+        coverage_hint="each program writes its own tile: dK/dV programs cover "
+                      "cdiv(n_k, BLOCK_N) key tiles, dQ programs cdiv(n_q, BLOCK_M) query tiles, "
+                      "for every (batch, head) = program_id(1)",
+        load_hint="a tl.load reads past the ragged end (or with a wrong stride): mask the rows "
+                  "of the last tile, mask=rows[:, None] < n_q (or cols < n_k) with other=0.0, and "
+                  "LSE, DELTA with rows < n_q",
+        explain_nonfinite=explain_nonfinite)
+
+
+def _kernel_mistake(name):
+    def wrong(q, k, v, o, lse, do, causal, scale):
+        with warnings.catch_warnings():  # NumPy's overflow warnings from the interpreter
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return launch_backward(dkdv_kernel, dq_kernel, q, k, v, o, lse, do, causal, scale,
+                                   mistake=name)
+    return wrong
+
+
+KERNEL_MISTAKES = {
+    "the scale is missing from dK: dk = scale · dSᵀ Q (multiply once, after the loop)":
+        _kernel_mistake("dk_no_scale"),
+    "the scale is missing from dQ: dq = scale · dS K (multiply once, after the loop)":
+        _kernel_mistake("dq_no_scale"),
+    "DELTA was recomputed from this tile's P ∘ dP (tl.sum(p * dp, axis=1)), a partial row "
+    "sum — load DELTA, the row's full rowsum(dO ∘ O)": _kernel_mistake("d_from_tile"),
+    "P was rebuilt with a softmax over this tile alone: use the saved statistics, "
+    "p = exp(scale · q kᵀ − lse[:, None])": _kernel_mistake("tile_softmax"),
+    "the causal mask is missing in the backward: in tiles that straddle the diagonal, keys "
+    "j > i must get p = 0 (tl.where(cols[None, :] <= rows[:, None], p, 0.0))":
+        _kernel_mistake("no_causal_mask"),
+    "dV uses P instead of Pᵀ: dv += tl.dot(tl.trans(p), do) (keys along the rows)":
+        _kernel_mistake("dv_p_not_pt"),
+    "dq is overwritten in the K/V loop, not accumulated: dq += tl.dot(ds, k)":
+        _kernel_mistake("dq_overwrite"),
+    "exp2 with the scores in log2 units but lse in natural-log units: subtract lse · LOG2_E "
+    "(or use tl.exp with natural units throughout)": _kernel_mistake("exp2_lse_natural"),
+    "P = exp(S) without subtracting the saved lse: p = exp(S − lse[:, None])":
+        _kernel_mistake("no_lse"),
+}
+
+
+def _kernel_blocks(case):
+    return {"block_m": CHECK_BLOCK, "block_n": CHECK_BLOCK}
+
+
+def check_backward_kernels(dkdv, dq_kern):
+    """Exercise 7.5: check the learner's ``dkdv_kernel`` and ``dq_kernel`` together; returns the
+    pair to use (the answer keys :func:`dkdv_kernel`, :func:`dq_kernel` when not done yet)."""
+    def run(q, k, v, o, lse, do, causal, scale):
+        return kernel_runner(dkdv, dq_kern, causal, scale, KERNEL_MISTAKES)(q, k, v, o, lse, do)
+
+    return _check_gradients("Exercise 7.5", run, reference_gradients, kernel_cases(),
+                            fallback=(dkdv_kernel, dq_kernel), mistakes=KERNEL_MISTAKES,
+                            names=("dq", "dk", "dv"), blocks_of=_kernel_blocks,
+                            kernel_check=ch05.check_kernel, answer=(dkdv, dq_kern))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7.6: a torch.autograd.Function around the forward kernel and the learner's kernels
+# ----------------------------------------------------------------------------------------------
+
+class _Diagnosed(Exception):
+    """Raised by a runner that has recognised what went wrong; the message is the diagnosis."""
+
+
+NO_SAVED_TENSORS = ("no saved tensors found — save them with ctx.save_for_backward(q, k, v, o, "
+                    "lse) in forward, and read them back with ctx.saved_tensors in backward")
+WRONG_GRADIENT_COUNT = ("backward must return one value per input of forward (q, k, v, causal, "
+                        "scale): return dq, dk, dv, None, None — None for the two that are not "
+                        "tensors")
+
+
+def function_reference(q, k, v, do, causal: bool, scale: float):
+    """float64 autograd of the naive attention, in the inputs' dtype: ``(o, dq, dk, dv)``."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o, _ = naive_attention_torch(q64, k64, v64, causal, scale)
+    o.backward(do.double())
+    return (o.detach().to(q.dtype),) + tuple(x.grad.to(q.dtype) for x in (q64, k64, v64))
+
+
+def run_function(fn_cls, q, k, v, do, causal: bool, scale: float):
+    """``(o, dq, dk, dv)`` from ``fn_cls.apply(q, k, v, causal, scale)`` and ``.backward(do)``;
+    the classic autograd-glue errors become :class:`_Diagnosed` with a named cause."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = fn_cls.apply(q, k, v, causal, scale)
+    if not isinstance(o, torch.Tensor):
+        raise _Diagnosed(f"forward must return o alone (one tensor), got {describe_value(o)} — "
+                         f"keep lse for backward with ctx.save_for_backward instead of returning it")
+    if o.grad_fn is None:
+        raise _Diagnosed("forward's output is not connected to autograd (o.grad_fn is None): "
+                         "return the o you computed, not a detached copy")
+    saved = o.grad_fn.saved_tensors
+    try:
+        o.backward(do)
+    except Exception as exc:  # noqa: BLE001 - the glue's classic errors get their cause named
+        if not saved:
+            raise _Diagnosed(NO_SAVED_TENSORS) from None
+        if "incorrect number of gradients" in str(exc):
+            raise _Diagnosed(f"{WRONG_GRADIENT_COUNT} (torch says: {str(exc).strip()})") from None
+        raise
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def function_cases(seed: int = 7_6) -> list[Case]:
+    """Exercise 7.6's cases: (q, k, v, do) with causal and scale, the exact dtype and then the
+    fast one; N_q = N_k first, so gradients returned in the wrong order have the right shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    exact, fast = _kernel_case_dtypes()
+    specs = [(1, 2, 32, 32, 16, False, None, exact), (1, 1, 45, 45, 32, True, None, exact),
+             (2, 1, 50, 29, 16, True, 0.2, exact), (1, 2, 23, 40, 16, False, None, exact),
+             (1, 1, 37, 37, 16, True, None, fast)]
+    cases = []
+    for batch, heads, n_q, n_k, d, causal, scale, dtype in specs:
+        scale = default_scale(d) if scale is None else scale
+        q, k, v, _, _, do = _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal,
+                                               scale, _rt.device)
+        label = (f"{'causal' if causal else 'non-causal'}, (B, H)=({batch}, {heads}), "
+                 f"N_q={n_q}, N_k={n_k}, d={d}, scale={scale:.3g}, "
+                 f"{str(dtype).replace('torch.', '')}")
+        cases.append(Case((q, k, v, do), {"causal": causal, "scale": scale}, label=label))
+    return cases
+
+
+def _function_mistake(name):
+    """A FlashAttention Function with one classic glue mistake, around the answer-key kernels."""
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal, scale):
+            o, lse = forward_kernel.attention_forward(q, k, v, causal, scale)
+            # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
+            saved_o = o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
+            if name != "no_save":
+                ctx.save_for_backward(q, k, v, saved_o, lse)
+            ctx.causal, ctx.scale = causal, scale
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors
+            causal = False if name == "causal_not_passed" else ctx.causal
+            scale = default_scale(q.shape[-1]) if name == "default_scale" else ctx.scale
+            dq, dk, dv = launch_backward(dkdv_kernel, dq_kernel, q, k, v, o, lse, do, causal, scale)
+            if name == "swapped":
+                return dk, dq, dv, None, None
+            return dq, dk, dv, None, None
+
+    Wrong.__name__ = f"FlashAttention_{name}"
+
+    def wrong(q, k, v, do, causal, scale):
+        try:
+            return run_function(Wrong, q, k, v, do, causal, scale)
+        except _Diagnosed:
+            return None
+    return wrong
+
+
+FUNCTION_MISTAKES = {
+    "backward returns the gradients in the wrong order: return dq, dk, dv, None, None (the "
+    "order of forward's inputs q, k, v, causal, scale)": _function_mistake("swapped"),
+    "the o saved for backward is not laid out like the forward's (B, H, N_q, d) output (saved "
+    "after a transpose and a reshape): save o exactly as attention_forward returned it — "
+    "DELTA = rowsum(dO ∘ O) reads it row by row": _function_mistake("saved_o_reshaped"),
+    "backward ignores causal: keep it in forward (ctx.causal = causal) and launch the kernels "
+    "with it": _function_mistake("causal_not_passed"),
+    "backward uses 1/√d instead of the forward's scale: keep it in forward (ctx.scale = scale) "
+    "and pass it on": _function_mistake("default_scale"),
+}
+
+# The final step of Exercise 7.6: the tiny LM of section 6, trained with the learner's Function
+# and with SDPA from the same seed (one layer and three steps: seconds in the interpreter).
+FUNCTION_TRAIN = dict(model=dict(seq_len=32, d_model=32, n_heads=2, n_layers=1), steps=3,
+                      batch_size=1, seed=7)
+
+
+def _train_losses(attention):
+    from course_lib import tinylm
+
+    data = tinylm.CharDataset()
+    config = tinylm.TinyLMConfig(vocab_size=data.vocab_size, **FUNCTION_TRAIN["model"])
+    model = tinylm.TinyLM(config, attention, seed=FUNCTION_TRAIN["seed"]).to(_rt.device)
+    return tinylm.train(model, FUNCTION_TRAIN["steps"], seed=FUNCTION_TRAIN["seed"],
+                        batch_size=FUNCTION_TRAIN["batch_size"], dataset=data)
+
+
+def check_autograd_function(fn_cls):
+    """Exercise 7.6: check the learner's ``torch.autograd.Function`` (``apply(q, k, v, causal,
+    scale) -> o`` on ``(B, H, N, d)`` tensors): o and the gradients against float64 autograd,
+    then a few training steps of the tiny LM against SDPA. Returns the Function to use (the
+    library's :class:`course_lib.kernels.api.FlashAttentionFunction` when not done yet)."""
+    from course_lib import tinylm
+    from course_lib.kernels.api import FlashAttentionFunction
+
+    exercise = "Exercise 7.6"
+
+    def run(q, k, v, do, causal, scale):
+        return run_function(fn_cls, q, k, v, do, causal, scale)
+
+    cases = function_cases()
+    chosen = _check_gradients(exercise, run, function_reference, cases,
+                              fallback=FlashAttentionFunction, mistakes=FUNCTION_MISTAKES,
+                              names=("o", "dq", "dk", "dv"), blocks_of=_kernel_blocks,
+                              quiet=True)
+    if chosen is FlashAttentionFunction:
+        print(f"… {exercise}: not done yet — the notebook continues with the library's "
+              f"FlashAttentionFunction. Fill in the exercise and re-run this cell.")
+        return chosen
+
+    def attention(q, k, v):  # (B, H, T, d) -> (B, H, T, d), causal, as tinylm expects
+        return fn_cls.apply(q, k, v, True, default_scale(q.shape[-1]))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ours = _train_losses(attention)
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback wall
+        raise ExerciseFailed(f"✗ {exercise}: training the tiny LM with your Function failed: "
+                             f"{ch05.summarize_kernel_error(exc)}") from None
+    theirs = _train_losses(tinylm.sdpa_attention)
+    tolerance = tinylm.loss_tolerance(_rt.on_gpu)
+    gaps = [abs(a - b) for a, b in zip(ours, theirs)]
+    if not max(gaps) <= tolerance:
+        step = next(i for i, g in enumerate(gaps) if not g <= tolerance)
+        raise ExerciseFailed(f"✗ {exercise}: the gradient checks pass, but training the tiny LM "
+                             f"with your Function drifts from SDPA: at step {step} loss "
+                             f"{ours[step]:.6f} vs {theirs[step]:.6f} (|Δ| {gaps[step]:.2e} > "
+                             f"tolerance {tolerance:g}, tinylm.loss_tolerance)")
+    print(f"✓ {exercise}: passed ({len(cases)} gradient cases; the tiny LM trains like SDPA for "
+          f"{FUNCTION_TRAIN['steps']} steps, max loss gap {max(gaps):.1e} ≤ {tolerance:g}).")
+    return fn_cls
+
+
+# ----------------------------------------------------------------------------------------------
+# Hints and skeletons of Exercises 7.5 and 7.6 (shown by course_lib.widgets.hints.HintLadder)
+# ----------------------------------------------------------------------------------------------
+
+KERNEL_HINTS = [
+    "Each kernel is one loop of Exercise 7.4 cut in two: <code>dkdv_kernel</code> owns one K/V "
+    "tile (program_id(0) picks it, program_id(1) = b · n_heads + h picks the head) and loops over "
+    "Q tiles; <code>dq_kernel</code> owns one Q tile and loops over K/V tiles. No program adds "
+    "into another's memory, so no atomics.",
+    "Addresses: row r, column c of head (b, h) of Q is Q + b·stride_qb + h·stride_qh + "
+    "r·stride_qn + c·stride_qd; build a (rows, HEAD_DIM) tile with rows[:, None] and "
+    "offs_d[None, :]. LSE and DELTA are contiguous (B, H, N_q): LSE + bh · n_q + rows.",
+    "Ragged ends: load with mask=rows[:, None] < n_q (or cols < n_k) and other=0.0, store with "
+    "the same mask. A padded row or column must get p = 0: build visible = (rows < n_q) & "
+    "(cols < n_k), and when CAUSAL also cols <= rows; p = tl.where(visible, p, 0.0).",
+    "The tile body: p = exp(tl.dot(q, tl.trans(k)) · scale − lse[:, None]); dp = "
+    "tl.dot(do, tl.trans(v)); ds = p · (dp − delta[:, None]). dK/dV: dv += tl.dot(tl.trans(p), do), "
+    "dk += tl.dot(tl.trans(ds), q). dQ: dq += tl.dot(ds, k). Multiply dk and dq by scale once, "
+    "after the loop. Convert before a dot with half inputs: tl.dot(tl.trans(p).to(do.dtype), do).",
+    "Causal skipping: in dkdv_kernel start the Q loop at (start_n // BLOCK_M) · BLOCK_M (earlier "
+    "queries see none of these keys); in dq_kernel stop the K/V loop at min(n_k, start_m + "
+    "BLOCK_M). The tiles in between still need the mask.",
+]
+
+KERNEL_SKELETON = '''\
+@triton.jit
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, ..., n_heads, n_q, n_k, scale,
+                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    cols = start_n + tl.arange(0, BLOCK_N)              # this program's keys
+    offs_m, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    k = tl.load(..., mask=cols[:, None] < n_k, other=0.0)   # (BLOCK_N, HEAD_DIM)
+    v = tl.load(...)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_lo = 0
+    if CAUSAL:
+        q_lo = ...
+    for start_m in range(q_lo, n_q, BLOCK_M):
+        rows = start_m + offs_m
+        q, do = ..., ...                                  # (BLOCK_M, HEAD_DIM), masked
+        lse, delta = ..., ...                             # (BLOCK_M,), masked
+        p = ...                                           # (BLOCK_M, BLOCK_N), 0 where hidden
+        dv += ...
+        dp = ...
+        ds = ...
+        dk += ...
+    dk = dk * scale
+    tl.store(DK + ..., dk.to(DK.dtype.element_ty), mask=cols[:, None] < n_k)
+    tl.store(DV + ..., dv.to(DV.dtype.element_ty), mask=cols[:, None] < n_k)
+
+# dq_kernel: the same with the roles swapped — rows = this program's queries, a loop over
+# start_n in range(0, kv_end, BLOCK_N), dq += tl.dot(ds.to(k.dtype), k), dq * scale at the end.
+'''
+
+FUNCTION_HINTS = [
+    "forward(ctx, q, k, v, causal, scale) runs attention_forward(q, k, v, causal, scale), which "
+    "returns (o, lse), and returns o alone.",
+    "backward(ctx, do) needs q, k, v, o and lse: save the tensors with "
+    "ctx.save_for_backward(q, k, v, o, lse); keep the two plain values on ctx "
+    "(ctx.causal = causal, ctx.scale = scale).",
+    "In backward: q, k, v, o, lse = ctx.saved_tensors; then ch07.launch_backward(dkdv_kernel, "
+    "dq_kernel, q, k, v, o, lse, do, ctx.causal, ctx.scale) gives (dq, dk, dv).",
+    "backward returns one value per input of forward, in order: dq, dk, dv, None, None.",
+]
+
+FUNCTION_SKELETON = '''\
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = ...
+        ctx.save_for_backward(...)
+        ctx.causal, ctx.scale = ..., ...
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ...
+        dq, dk, dv = ch07.launch_backward(dkdv_kernel, dq_kernel, ...)
+        return ...
+'''
