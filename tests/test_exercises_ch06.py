@@ -287,3 +287,169 @@ def update_exp2_scale_twice(s, v, m_i, l_i, acc, scale):
 
 def test_exp2_with_log2e_folded_twice_is_rejected():
     _rejected(ch06.check_exp2, (update_exp2_scale_twice, ch06.finish_rows_exp2), "wrong answer")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6.5: the whole kernel and its launcher. The corpus is the solution notebook's own
+# answer with one realistic change each (a line dropped, an operator or a bound wrong), loaded as
+# a module: the kernel under test is exactly what a learner would have typed.
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SOLUTION_NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "06_flash_forward_triton.ipynb"
+EXERCISE_6_5 = "# Exercise 6.5"
+SOLUTION_HEADER = ("import torch\nimport triton\nimport triton.language as tl\n"
+                   "from course_lib.kernels.tiles import LOG2_E\n\n")
+
+
+def _solution_6_5() -> str:
+    cells = json.loads(SOLUTION_NOTEBOOK.read_text())["cells"]
+    for cell in cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(EXERCISE_6_5):
+            return source
+    raise AssertionError(f"no cell starting with {EXERCISE_6_5!r} in {SOLUTION_NOTEBOOK}")
+
+
+def _learner_module(tmp_path, changes=(), name="answer"):
+    """The notebook's 6.5 cell with ``changes`` ((old, new) text replacements), as a module."""
+    source = _solution_6_5()
+    for old, new in changes:
+        assert old in source, f"the solution no longer contains {old!r}: update the corpus"
+        source = source.replace(old, new)
+    path = tmp_path / f"{name}.py"
+    path.write_text(SOLUTION_HEADER + source)  # @triton.jit reads the source from a file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# name -> (the changes, a fragment the diagnosis must contain)
+FORWARD_CORPUS = {
+    "acc-not-rescaled": (
+        [("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")],
+        f"likely cause: {ch06.FORGOT_RESCALE_ACC}"),
+    "lse-in-log2-units": (
+        [("lse = (m_i + tl.math.log2(l_i)) / LOG2_E", "lse = m_i + tl.math.log2(l_i)")],
+        f"likely cause: {ch06.LSE_IN_LOG2}"),
+    "causal-loop-one-tile-short": (
+        [("tl.minimum(n_k, start_m + BLOCK_M)", "tl.minimum(n_k, start_m)")],
+        f"likely cause: {ch06.CAUSAL_LOOP_SHORT}"),
+    "causal-mask-off-by-one-row": (
+        [("offs_n[None, :] <= offs_m[:, None]", "offs_n[None, :] < offs_m[:, None]")],
+        f"likely cause: {ch06.CAUSAL_OFF_BY_ONE}"),
+    "ragged-scores-not-masked": (
+        [('        s = tl.where(offs_n[None, :] < n_k, s, float("-inf"))', "")],
+        f"likely cause: {ch06.RAGGED_SCORES_NOT_MASKED}"),
+    "kv-loads-unmasked": (
+        [(", mask=kv_ok, other=0.0)", ")")],
+        f"likely cause: {ch06.KV_LOADS_UNMASKED}"),
+    "head-stride-for-batch": (
+        [(f"{x} + b * stride_{x.lower()}b + h * stride_{x.lower()}h",
+          f"{x} + pid_bh * stride_{x.lower()}h") for x in "QKVO"],
+        f"likely cause: {ch06.FLAT_HEADS}"),
+    "divides-inside-the-loop": (
+        [("        m_i = m_new\n", "        m_i = m_new\n        acc = acc / l_i[:, None]\n"),
+         ("o = acc / l_i[:, None]", "o = acc")],
+        f"likely cause: {ch06.DIVIDED_INSIDE_LOOP}"),
+    "scale-forgotten": (
+        [("* (scale * LOG2_E)", "* LOG2_E")],
+        "likely cause: the scores are not multiplied by scale"),
+    "grid-only-first-q-tile": (
+        [("grid = (triton.cdiv(n_q, block_m) * batch * heads,)", "grid = (batch * heads,)"),
+         ("num_tiles = tl.cdiv(n_q, BLOCK_M)", "num_tiles = 1")],
+        "only the first Q tile of each head was computed — the grid is too small"),
+    "grid-too-small": (
+        [("grid = (triton.cdiv(n_q, block_m) * batch * heads,)", "grid = (batch * heads,)")],
+        "the grid must have cdiv(N_q, BLOCK_M) · B · H programs"),
+    "exp-instead-of-exp2": (
+        [("tl.math.exp2(s - m_new[:, None])", "tl.exp(s - m_new[:, None])"),
+         ("tl.math.exp2(m_i - m_new)", "tl.exp(m_i - m_new)")],
+        "exponentiated with tl.exp: use tl.math.exp2"),
+    "lse-store-unmasked": (
+        [("tl.store(LSE + pid_bh * n_q + offs_m, lse, mask=row_ok)",
+          "tl.store(LSE + pid_bh * n_q + offs_m, lse)")],
+        "wrote past the end of lse"),
+    "lse-flat-shape": (
+        [("lse = torch.empty((batch, heads, n_q)", "lse = torch.empty((batch * heads, n_q)")],
+        "your launcher returned lse Tensor(4, 45) float32"),
+}
+
+
+def test_forward_solution_passes_and_stubs_are_not_done(tmp_path, capsys):
+    answer = _learner_module(tmp_path)
+    assert ch06.check_forward_kernel(answer.flash_forward) is answer.flash_forward
+    assert "✓ Exercise 6.5: passed (5 cases)" in capsys.readouterr().out
+    # the learner notebook's version: both the kernel and the launcher are stubs
+    stub = _learner_module(tmp_path, [(line, 'raise NotImplementedError("Exercise 6.5")')
+                                      for line in _solution_blocks()], name="stub")
+    assert ch06.check_forward_kernel(stub.flash_forward) is ch06.library_forward
+    assert "not done yet" in capsys.readouterr().out
+
+
+def _solution_blocks():
+    """The text of each BEGIN/END SOLUTION block of the 6.5 cell, markers included."""
+    source = _solution_6_5()
+    blocks, start = [], 0
+    while "### BEGIN SOLUTION" in source[start:]:
+        begin = source.index("### BEGIN SOLUTION", start)
+        end = source.index("### END SOLUTION", begin) + len("### END SOLUTION")
+        blocks.append(source[begin:end])
+        start = end
+    return blocks
+
+
+def test_forward_with_only_the_kernel_stubbed_is_not_done(tmp_path, capsys):
+    kernel_block = _solution_blocks()[0]
+    stub = _learner_module(tmp_path, [(kernel_block, 'raise NotImplementedError("Exercise 6.5")')],
+                           name="kernel_stub")
+    assert ch06.check_forward_kernel(stub.flash_forward) is ch06.library_forward
+    assert "not done yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(FORWARD_CORPUS))
+def test_forward_mistakes_are_named(tmp_path, name):
+    changes, fragment = FORWARD_CORPUS[name]
+    answer = _learner_module(tmp_path, changes, name=name.replace("-", "_"))
+    message = _rejected(ch06.check_forward_kernel, (answer.flash_forward,), fragment)
+    assert "Traceback" not in message and "on case" in message
+
+
+def test_forward_diagnosis_names_output_row_and_tiles(tmp_path):
+    changes, _ = FORWARD_CORPUS["lse-in-log2-units"]
+    answer = _learner_module(tmp_path, changes, name="lse_log2")
+    message = _rejected(ch06.check_forward_kernel, (answer.flash_forward,),
+                        "wrong lse (o is right)", "first bad row 0 of (batch 0, head 0): Q tile 0 "
+                        "(rows 0–15), which sees K tiles 0–2, the last one ragged (N_k=45)",
+                        "on case 1 of 5")
+    print(message)
+
+
+def test_forward_library_fallback_matches_reference():
+    q, k, v = _qkv((2, 2, 45, 16), 30, DTYPES[0])
+    o, lse = ch06.library_forward(q, k, v, True, block_m=16, block_n=16)
+    o_ref, lse_ref = ch06.reference(q, k, v, True)
+    torch.testing.assert_close(o, o_ref, atol=ATOL[q.dtype], rtol=1e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-4)
+
+
+def test_sentinel_allocations_restore_torch_empty():
+    real = torch.empty
+    with ch06._sentinel_allocations() as made:
+        x = torch.empty(3, 4)
+        assert torch.empty is not real and len(made) == 1
+    assert torch.empty is real
+    assert bool((x == ch05.OUTPUT_SENTINEL).all()) and x.is_contiguous()
+
+
+def test_forward_mistake_without_a_model_still_gets_row_and_tile(tmp_path):
+    # V read through K's pointer (a copy-paste slip): a mistake no model replays
+    answer = _learner_module(tmp_path, [("v = tl.load(v_head", "v = tl.load(k_head")],
+                             name="v_from_k")
+    message = _rejected(ch06.check_forward_kernel, (answer.flash_forward,), "wrong o (lse is right)",
+                        "first bad row 0 of (batch 0, head 0): Q tile 0", "which sees K tiles",
+                        "on case 1 of 5")
+    assert "likely cause" not in message

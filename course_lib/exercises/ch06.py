@@ -1,11 +1,14 @@
-"""Chapter 06 (FlashAttention forward in Triton): the checks of the four exercises.
+"""Chapter 06 (FlashAttention forward in Triton): the checks of the five exercises.
 
 The chapter builds the teaching kernel of :mod:`course_lib.kernels.teaching` from pieces the
 learner writes (6.1 the online-softmax update and finish, 6.2 masked loads and the ragged mask,
 6.3 the causal mask and the end of the K/V loop, 6.4 the same with exp2). One check per
 exercise runs the learner's pieces through the whole kernel, on guarded tensors (see
 :mod:`course_lib.exercises.ch05`), against float64 attention on ragged shapes, and names the
-classic mistakes by replaying the known wrong pieces in ``*_MISTAKES``.
+classic mistakes by replaying the known wrong pieces in ``*_MISTAKES``. Exercise 6.5 is the
+whole kernel and its launcher, written from a signature: :func:`check_forward_kernel` runs the
+learner's launcher and replays the teaching kernel with one mistake each (``FORWARD_MISTAKES``);
+``FORWARD_HINTS`` and ``FORWARD_SKELETON`` feed the notebook's hint ladder.
 
 The kernel, its launcher :func:`~course_lib.kernels.teaching.forward` and the correct pieces
 live in :mod:`course_lib.kernels.teaching`.
@@ -13,14 +16,15 @@ live in :mod:`course_lib.kernels.teaching`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from course_lib import runtime
-from course_lib.checks import TOLERANCES, Case, ExerciseFailed
+from course_lib import checks, runtime
+from course_lib.checks import TOLERANCES, Case, ExerciseFailed, describe_value
 from course_lib.exercises import ch05
 from course_lib.reference import default_scale, naive_attention_torch
 
@@ -421,3 +425,408 @@ def check_exp2(update, finish):
     """Check exercise 6.4; return (update, finish) or, not done yet, the library's."""
     return _check("Exercise 6.4", (update, finish), (update_tile_exp2, finish_rows_exp2), _exp2,
                   EXP2_SPECS, 6_4, EXP2_MISTAKES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6.5: the whole kernel and its launcher, from a signature and a docstring
+#
+# The learner writes ``flash_forward_kernel(Q, K, V, O, LSE, <4 strides of each>, n_heads, n_q,
+# n_k, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)`` and ``flash_forward(q, k, v, causal=False,
+# scale=None, block_m=..., block_n=...) -> (o, lse)`` on (B, H, N, d) tensors. The check calls
+# only the launcher: on inputs embedded in NaN-filled buffers (a spare head per batch, a tile of
+# rows after every head, padded rows), with the launcher's own ``torch.empty`` outputs embedded
+# in sentinel-filled buffers (one spare batch past the end), so rows never written, stores past
+# the end and loads outside the inputs each get their own diagnosis. Value errors name the
+# output, the first bad row, its Q tile and the K tiles it sees, and the likely cause, found by
+# replaying the teaching kernel with one known mistake on the same guarded inputs.
+
+# Margins of the guarded (B, H, N, d) inputs: a spare head after each batch's heads (so the
+# batch stride is not H · head stride), a tile of rows after each head, columns after each row.
+FORWARD_INPUT_MARGIN = (0, 1, CHECK_BLOCK, COL_MARGIN)
+
+
+def library_forward(q, k, v, causal: bool = False, scale: float | None = None,
+                    block_m: int | None = None, block_n: int | None = None):
+    """Exercise 6.5's fallback: the teaching kernel with the library's pieces, same signature."""
+    blocks = None if block_m is None or block_n is None else (block_m, block_n)
+    return forward(q, k, v, causal, scale, blocks=blocks)
+
+
+@contextlib.contextmanager
+def _sentinel_allocations():
+    """While active, ``torch.empty``/``torch.empty_like`` (contiguous, floating point) return
+    views of buffers one slice longer along dim 0, all filled with the sentinel.
+
+    Yields the list of ``(view, buffer)`` made, to find the outputs a launcher allocated.
+    """
+    made = []
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def guard(t):
+        if not t.is_floating_point() or t.ndim == 0 or t.numel() == 0 or not t.is_contiguous():
+            return t
+        buffer = torch.full((t.shape[0] + 1, *t.shape[1:]), ch05.OUTPUT_SENTINEL, dtype=t.dtype,
+                            device=t.device)
+        made.append((buffer[: t.shape[0]], buffer))
+        return made[-1][0]
+
+    torch.empty = lambda *args, **kwargs: guard(real_empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: guard(real_empty_like(*args, **kwargs))
+    try:
+        yield made
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+def _buffer_of(t, made):
+    """The sentinel buffer ``t`` lives in (allocated under :func:`_sentinel_allocations`), or None."""
+    for _, buffer in made:
+        if t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            return buffer
+    return None
+
+
+def _tiles(index: int, block: int) -> str:
+    return f"rows {index // block * block}–{index // block * block + block - 1}"
+
+
+def _outputs_of(result, q):
+    """``(o, lse)`` from what the launcher returned, or KernelProblem saying what is off."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ch05.KernelProblem(f"your launcher must return (o, lse), got {describe_value(result)}")
+    expected = {"o": (tuple(q.shape), q.dtype, "q's shape and dtype"),
+                "lse": (tuple(q.shape[:3]), torch.float32, "(B, H, N_q) float32")}
+    for (name, (shape, dtype, says)), x in zip(expected.items(), result):
+        if not isinstance(x, torch.Tensor):
+            raise ch05.KernelProblem(f"your launcher returned {name} as {describe_value(x)}: "
+                                     f"expected a tensor")
+        if tuple(x.shape) != shape or x.dtype != dtype:
+            raise ch05.KernelProblem(
+                f"your launcher returned {name} {describe_value(x)}: expected {says}, "
+                f"{shape} {str(dtype).replace('torch.', '')}")
+    return tuple(result)
+
+
+def _unwritten(name, x):
+    """A KernelProblem naming where ``x`` (B, H, N_q[, d]) still holds the sentinel, or None."""
+    unwritten = x == ch05.OUTPUT_SENTINEL
+    if x.ndim == 4:
+        unwritten = unwritten.any(dim=-1)  # (B, H, N_q) rows with any element never written
+    if not unwritten.any():
+        return None
+    b, h, row = (int(i) for i in torch.nonzero(unwritten)[0])
+    rows_per_head = unwritten.sum(dim=-1)  # (B, H)
+    first_tile_done = not unwritten[..., :CHECK_BLOCK].any()
+    if first_tile_done and bool((unwritten[..., CHECK_BLOCK:]).all()):
+        cause = (f"only the first Q tile of each head was computed — the grid is too small: it "
+                 f"needs cdiv(N_q, BLOCK_M) · B · H programs, one per Q tile of each (batch, head)")
+    elif bool(((rows_per_head == 0) | (rows_per_head == x.shape[2])).all()):
+        cause = ("whole heads were never written — the grid must cover B · H heads, and each "
+                 "program's (batch, head) = (pid_bh // n_heads, pid_bh % n_heads) must reach "
+                 "o through b · stride_ob + h · stride_oh")
+    else:
+        cause = ("some Q tiles were never written — program pid owns Q tile pid % cdiv(N_q, "
+                 "BLOCK_M) of (batch, head) pid // cdiv(N_q, BLOCK_M), and the grid must have "
+                 "cdiv(N_q, BLOCK_M) · B · H programs")
+    return ch05.KernelProblem(
+        f"{int(unwritten.sum())} row(s) of {name} {tuple(x.shape)} were never written, the first "
+        f"row {row} of (batch {b}, head {h}), Q tile {row // CHECK_BLOCK} "
+        f"({_tiles(row, CHECK_BLOCK)})\n  likely cause: {cause}")
+
+
+def _launch_guarded(launcher, q, k, v, causal, fill):
+    """Run the learner's launcher on guarded copies of q, k, v; return (o, lse, allocations)."""
+    embedded = [ch05.embed(x, FORWARD_INPUT_MARGIN, fill) for x in (q, k, v)]
+    views = [view for view, _ in embedded]
+    pristine = [buffer.clone() for _, buffer in embedded]
+    with warnings.catch_warnings():  # the interpreter's NumPy overflow warnings: we diagnose
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with _sentinel_allocations() as made:
+            result = launcher(*views, causal, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK)
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+    for name, (_, buffer), before in zip("qkv", embedded, pristine):
+        if not checks.same_value(before, buffer):
+            raise ch05.KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+                                     f"read-only: tl.store only to O and LSE (pointers swapped?)")
+    o, lse = _outputs_of(result, q)
+    return o, lse, views, made
+
+
+def _value_problem(got, want, causal, n_k, dtype):
+    """One or two lines: which output is wrong, its first bad row, Q tile and K tiles, max error."""
+    atol, rtol = TOLERANCES[str(dtype).replace("torch.", "")]
+    wrong = []
+    for name, g, w in zip(("o", "lse"), got, want):
+        bad = ~torch.isclose(g.double(), w.double(), atol=atol, rtol=rtol)
+        if bad.any():
+            wrong.append((name, g, w, bad))
+    if not wrong:
+        return None
+    name, g, w, bad = wrong[0]
+    idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+    b, h, row = idx[:3]
+    diff = (g.double() - w.double()).abs()
+    err = "NaN/inf" if not torch.isfinite(diff).all() else f"{diff.max().item():.3g}"
+    last_tile = (min(row, n_k - 1) if causal else n_k - 1) // CHECK_BLOCK
+    k_tiles = (f"K tiles 0–{last_tile}" if last_tile else "K tile 0") + (
+        f", the last one ragged (N_k={n_k})"
+        if n_k % CHECK_BLOCK and last_tile == (n_k - 1) // CHECK_BLOCK else "")
+    which = "o and lse" if len(wrong) == 2 else f"{name} ({'lse' if name == 'o' else 'o'} is right)"
+    n_rows = int((bad.any(dim=-1) if bad.ndim == 4 else bad).sum())
+    return (f"wrong {which}: {n_rows} bad row(s) of {name}, max abs error {err} (atol={atol:g}, "
+            f"rtol={rtol:g})\n  first bad row {row} of (batch {b}, head {h}): Q tile "
+            f"{row // CHECK_BLOCK} ({_tiles(row, CHECK_BLOCK)}), which sees {k_tiles}; got "
+            f"{g[idx].item():.6g}, expected {w[idx].item():.6g}")
+
+
+def _replay(pieces=LIBRARY_PIECES, flat_heads=False):
+    """A known-wrong launcher: the teaching kernel with ``pieces``, on BLOCK 16 tiles.
+
+    ``flat_heads``: the kernel reaches (batch, head) as pid_bh · stride_h, as if the heads of
+    all batches were evenly spaced (true only when B and H are contiguous together).
+    """
+    def wrong(q, k, v, causal):
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if flat_heads:
+            q, k, v = (x.as_strided(x.shape, (x.shape[1] * x.stride(1), *x.stride()[1:]))
+                       for x in (q, k, v))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            launch_forward(pieces, q, k, v, o, lse, causal, default_scale(q.shape[-1]),
+                           CHECK_BLOCK, CHECK_BLOCK)
+        return o, lse
+    return wrong
+
+
+@triton.jit
+def _load_unmasked(ptr, offs_rows, offs_d, stride_row, n_rows):
+    return tl.load(ptr + offs_rows[:, None] * stride_row + offs_d[None, :])
+
+
+@triton.jit
+def _update_then_normalise(s, v, m_i, l_i, acc, scale):
+    m_new, l_new, acc = update_tile_exp2(s, v, m_i, l_i, acc, scale)
+    return m_new, l_new, acc / l_new[:, None]  # the epilogue's division, inside the loop
+
+
+@triton.jit
+def _finish_exp2_no_division(acc, m_i, l_i):
+    return acc, (m_i + tl.math.log2(l_i)) / LOG2_E
+
+
+FLAT_HEADS = ("the (batch, head) offset is pid_bh · stride_h, which assumes the heads of all "
+              "batches are evenly spaced in memory — they are not here: use b · stride_qb + "
+              "h · stride_qh with b = pid_bh // n_heads, h = pid_bh % n_heads (and the same for "
+              "K, V and O)")
+KV_LOADS_UNMASKED = ("the loads of the ragged last K/V tile are not masked: rows past N_k belong "
+                     "to the next head or to nobody — load with mask=offs_n[:, None] < n_k, "
+                     "other=0.0 (masking only the scores is not enough: 0 · NaN is NaN in p @ v)")
+RAGGED_SCORES_NOT_MASKED = ("the scores of the padded keys past N_k are not masked: their K rows "
+                            "load as 0, so their scores are 0, not -inf, and each adds exp(0 - m) "
+                            "to l_i — set s to -inf where offs_n >= n_k")
+LSE_IN_LOG2 = ("lse is left in log2 units: with exp2, m_i + log2(l_i) is log2 Σ exp(s); multiply "
+               "by LN_2 (divide by LOG2_E) for the natural log the backward expects")
+DIVIDED_INSIDE_LOOP = ("acc is divided by l_i inside the K/V loop: the division o = acc / l_i "
+                       "belongs after the loop, once, when l_i sums every tile (is the epilogue "
+                       "indented into the loop?)")
+CAUSAL_LOOP_SHORT = ("the causal K/V loop stops one tile early: the Q tile's last row "
+                     "start_m + BLOCK_M - 1 sees keys up to itself, so loop to "
+                     "min(n_k, start_m + BLOCK_M)")
+
+FORWARD_MISTAKES = {
+    FLAT_HEADS: _replay(flat_heads=True),
+    KV_LOADS_UNMASKED: _replay(LIBRARY_PIECES.replace(load_tile=_load_unmasked)),
+    RAGGED_SCORES_NOT_MASKED: _replay(LIBRARY_PIECES.replace(mask_ragged=_mask_ragged_none)),
+    FORGOT_RESCALE_ACC: _replay(NATURAL_EXP_PIECES.replace(update=_update_no_rescale_acc)),
+    FORGOT_RESCALE_L: _replay(NATURAL_EXP_PIECES.replace(update=_update_no_rescale_l)),
+    "the scores are not multiplied by scale (1/√d by default; with exp2, by scale · LOG2_E)":
+        _replay(NATURAL_EXP_PIECES.replace(update=_update_no_scale)),
+    EXP2_WITHOUT_LOG2E: _replay(LIBRARY_PIECES.replace(update=_update_exp2_without_log2e)),
+    "the scores were scaled by scale · LOG2_E (log2 units) but exponentiated with tl.exp: use "
+    "tl.math.exp2 for p and alpha": _replay(LIBRARY_PIECES.replace(update=_update_exp_with_log2e)),
+    LSE_IN_LOG2: _replay(LIBRARY_PIECES.replace(finish=_finish_exp2_lse_in_log2)),
+    "lse must include the running max: lse = m_i + log(l_i), since l_i is a sum of exp(s - m_i)":
+        _replay(NATURAL_EXP_PIECES.replace(finish=_finish_lse_without_max)),
+    FORGOT_FINAL_DIVISION: _replay(LIBRARY_PIECES.replace(finish=_finish_exp2_no_division)),
+    DIVIDED_INSIDE_LOOP: _replay(LIBRARY_PIECES.replace(update=_update_then_normalise,
+                                                        finish=_finish_exp2_no_division)),
+    CAUSAL_OFF_BY_ONE: _replay(LIBRARY_PIECES.replace(mask_causal=_mask_causal_strict)),
+    CAUSAL_LOOP_SHORT: _replay(LIBRARY_PIECES.replace(kv_loop_end=_kv_loop_end_stops_at_diagonal)),
+    "the causal mask is transposed: keep keys j <= i (the past), not j >= i":
+        _replay(LIBRARY_PIECES.replace(mask_causal=_mask_causal_transposed)),
+}
+
+# (B, H, N_q, N_k, d, dtype, causal): ragged lengths, N_q ≠ N_k both ways, 2 batches × 2 heads
+# (so batch and head strides both matter), several 16-row tiles; the half-precision cases last.
+FORWARD_SPECS = (
+    (2, 2, 45, 45, 16, _case_dtypes()[0], False),
+    (1, 2, 37, 70, 32, _case_dtypes()[0], True),   # more keys than queries
+    (2, 1, 64, 29, 16, _case_dtypes()[0], True),   # more queries than keys: late rows see all
+    (1, 2, 50, 50, 16, _case_dtypes()[1], True),
+    (2, 2, 33, 48, 32, _case_dtypes()[1], False),
+)
+
+
+def _forward_cases(device):
+    gen = torch.Generator().manual_seed(6_5)
+    cases = []
+    for batch, heads, n_q, n_k, d, dtype, causal in FORWARD_SPECS:
+        q, k, v = (torch.randn(batch, heads, n, d, generator=gen).to(device=device, dtype=dtype)
+                   for n in (n_q, n_k, n_k))
+        label = (f"{'causal' if causal else 'non-causal'}, B={batch}, H={heads}, N_q={n_q}, "
+                 f"N_k={n_k}, d={d}, {str(dtype).replace('torch.', '')}, BLOCK_M=BLOCK_N={CHECK_BLOCK}")
+        cases.append(Case((q, k, v), {"causal": causal}, label=label))
+    return cases
+
+
+def forward_runner(launcher, wrong_values: list | None = None):
+    """``run(q, k, v, causal) -> (o, lse)``: the learner's launcher on guarded tensors; raises
+    KernelProblem with one diagnosis (guard, shapes, or values against float64 attention).
+
+    On wrong values, ``wrong_values`` (when given) receives ``[message, (o, lse), guarded
+    inputs, causal]`` so that :func:`check_forward_kernel` can look for the likely cause after
+    the run, outside the learner's time limit (replaying the known mistakes compiles a kernel
+    each on a GPU).
+    """
+    def run(q, k, v, causal):
+        o, lse, views, made = _launch_guarded(launcher, q, k, v, causal, ch05.INPUT_MARGIN_FILL)
+        for name, x in (("o", o), ("lse", lse)):
+            buffer = _buffer_of(x, made)
+            if buffer is not None and bool((buffer[x.shape[0]:] != ch05.OUTPUT_SENTINEL).any()):
+                raise ch05.KernelProblem(
+                    f"your kernel wrote past the end of {name} {tuple(x.shape)} — the last Q tile "
+                    f"sticks out past N_q: mask the stores of o and lse with offs_m < n_q")
+        for name, x in (("o", o), ("lse", lse)):
+            problem = _unwritten(name, x)
+            if problem:
+                raise problem
+        got = (o.clone(), lse.clone())
+        problem = _value_problem(got, reference(q, k, v, causal), causal, k.shape[2], q.dtype)
+        if problem is None:
+            return got
+        message = problem
+        if not all(torch.isfinite(x).all() for x in got):
+            again = _launch_guarded(launcher, q, k, v, causal, ch05.INPUT_MARGIN_REFILL)[:2]
+            if all(torch.isfinite(x).all() for x in again):
+                message += ("\n  the NaN comes from memory outside the inputs (their margins hold "
+                            "NaN): a load without a mask, or a wrong offset or stride")
+            else:
+                message += ("\n  hint: NaN/inf although the inputs are finite — an exp() of a large "
+                            "number, or l_i = 0 (a row that saw no key: check the masks)")
+        if wrong_values is not None:
+            wrong_values[:] = [message, got, views, causal]
+        raise ch05.KernelProblem(message)
+
+    return run
+
+
+def likely_forward_mistake(got, inputs, causal: bool, mistakes: dict | None = None) -> str | None:
+    """The known mistake whose replay on the same (guarded) inputs gives ``got``, NaN included."""
+    atol, rtol = TOLERANCES[str(inputs[0].dtype).replace("torch.", "")]
+    for cause, wrong in (FORWARD_MISTAKES if mistakes is None else mistakes).items():
+        try:
+            expected = wrong(*inputs, causal)
+        except Exception:  # noqa: BLE001 - a model that cannot run does not match
+            continue
+        if all(torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol, equal_nan=True)
+               for g, w in zip(got, expected)):
+            return cause
+    return None
+
+
+def check_forward_kernel(launcher):
+    """Check exercise 6.5; return the learner's launcher or, not done yet, the library's.
+
+    ``launcher(q, k, v, causal=False, scale=None, block_m=..., block_n=...)`` on (B, H, N, d)
+    tensors returns ``(o, lse)``; the check runs it with 16-row tiles.
+    """
+    wrong_values: list = []
+    try:
+        return ch05.check_kernel("Exercise 6.5", launcher, forward_runner(launcher, wrong_values),
+                                 reference, _forward_cases(_rt.device), fallback=library_forward)
+    except ExerciseFailed as failure:
+        if not wrong_values:
+            raise
+        message, got, inputs, causal = wrong_values
+        cause = likely_forward_mistake(got, inputs, causal)
+        if cause is None:
+            raise
+        problem = message.split("\n")[:2]  # the value lines, without the generic NaN hint
+        text = str(failure).replace(message, "\n".join([*problem, f"  likely cause: {cause}"]), 1)
+        raise ExerciseFailed(text) from None
+
+
+FORWARD_HINTS = [
+    "Start from the launcher: o = torch.empty_like(q); lse = torch.empty((B, H, N_q), "
+    "dtype=torch.float32); one program per Q tile of each (batch, head), so grid = "
+    "(triton.cdiv(N_q, block_m) * B * H,); pass *q.stride(), *k.stride(), *v.stride(), "
+    "*o.stride() in the kernel's order, and HEAD_DIM=d, BLOCK_M, BLOCK_N, CAUSAL as keywords.",
+    "In the kernel, pid = tl.program_id(0); with num_tiles = tl.cdiv(n_q, BLOCK_M): "
+    "pid_bh = pid // num_tiles, b = pid_bh // n_heads, h = pid_bh % n_heads, start_m = "
+    "(pid % num_tiles) * BLOCK_M. (tiles.program_tile does exactly this.)",
+    "Pointers: Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + "
+    "offs_d[None, :] * stride_qd, with offs_m = start_m + tl.arange(0, BLOCK_M) and offs_d = "
+    "tl.arange(0, HEAD_DIM). Load the Q tile once, masked with offs_m[:, None] < n_q, other=0.0.",
+    "State before the loop: m_i = full([BLOCK_M], -inf), l_i = zeros([BLOCK_M]), acc = "
+    "zeros([BLOCK_M, HEAD_DIM]), all fp32. Loop start_n over range(0, kv_end, BLOCK_N) with kv_end "
+    "= min(n_k, start_m + BLOCK_M) when CAUSAL, else n_k (exercise 6.3's kv_loop_end).",
+    "In the loop: load K and V tiles masked with offs_n[:, None] < n_k; s = tl.dot(q, tl.trans(k)); "
+    "-inf where offs_n >= n_k and, when CAUSAL, where offs_n > offs_m; then exercise 6.4's update "
+    "(s · scale · LOG2_E, exp2, rescale l_i and acc by alpha, tl.dot(p.to(v.dtype), v)).",
+    "After the loop: o = acc / l_i[:, None], lse = (m_i + log2(l_i)) · LN_2 (or / LOG2_E); store o "
+    "as O's dtype (o.to(O.dtype.element_ty)) and lse at LSE + pid_bh * n_q + offs_m, both masked "
+    "with offs_m < n_q.",
+]
+
+FORWARD_SKELETON = '''\
+@triton.jit
+def flash_forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qn, stride_qd, ...,
+                         n_heads, n_q, n_k, scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr):
+    num_tiles = tl.cdiv(n_q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_bh = ...
+    b, h = ...
+    start_m = ...
+    offs_m = start_m + tl.arange(0, BLOCK_M)                  # (BLOCK_M,) query rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(..., mask=offs_m[:, None] < n_q, other=0.0)  # (BLOCK_M, HEAD_DIM), once
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_end = ...                                            # n_k, or less when CAUSAL
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(..., mask=..., other=0.0)               # (BLOCK_N, HEAD_DIM)
+        v = tl.load(..., mask=..., other=0.0)
+        s = tl.dot(q, tl.trans(k)) * (scale * LOG2_E)       # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.where(..., s, float("-inf"))                 # ragged keys
+        if CAUSAL:
+            s = tl.where(..., s, float("-inf"))             # keys after the query
+        m_new = ...
+        p = ...
+        alpha = ...
+        l_i = ...
+        acc = ...
+        m_i = m_new
+
+    o = ...
+    lse = ...                                               # natural log
+    tl.store(..., o.to(O.dtype.element_ty), mask=...)
+    tl.store(..., lse, mask=...)
+
+
+def flash_forward(q, k, v, causal=False, scale=None, block_m=32, block_n=32):
+    batch, heads, n_q, d = q.shape
+    scale = ...
+    o = torch.empty_like(q)
+    lse = torch.empty(..., dtype=torch.float32, device=q.device)
+    grid = (...,)
+    flash_forward_kernel[grid](q, k, v, o, lse, *q.stride(), ..., heads, n_q, k.shape[2], scale,
+                               HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal)
+    return o, lse
+'''
