@@ -1,19 +1,29 @@
 """Checks for chapter 08 (beyond): exercise 8.1, the KV-cache size; 8.2, combining the partial
-results of split-KV decoding; 8.3, the GQA head mapping (numbered in the notebook's order).
+results of split-KV decoding; 8.3, the GQA head mapping; 8.4, the split kernel of flash-decoding
+in Triton (numbered in the notebook's order).
 
 Each check runs the learner's function on prepared cases and compares with
 :mod:`course_lib.kvcache`, :mod:`course_lib.decoding` and :mod:`course_lib.gqa`. When the answer
 is wrong, the known mistakes below are replayed on the failing case; the one that reproduces the
 learner's output is named. The mistake models are public (``COMBINE_MISTAKES``,
-``CACHE_MISTAKES``, ``HEAD_MISTAKES``) so that tests and instructors can see what is recognised.
+``CACHE_MISTAKES``, ``HEAD_MISTAKES``, ``SPLIT_KERNEL_MISTAKES``) so that tests and instructors
+can see what is recognised.
+
+Exercise 8.4 is a Triton kernel: its check runs it on guarded tensors with chapter 05's harness
+(:func:`course_lib.exercises.ch05.check_kernel`) and compares the partial states it writes with
+a float64 model of the same tiles (:func:`split_states`); the mistakes are that model with one
+thing done wrong, so the diagnosis names the first bad (batch, head, split, row) and the cause.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from course_lib import decoding, gqa, kvcache
+import torch
+
+from course_lib import constants, decoding, gqa, kvcache, runtime
 from course_lib.checks import Case, check_function
+from course_lib.reference import default_scale
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 8.2: combine_splits(m, l, o) -> o, the output of split-KV decoding
@@ -198,3 +208,236 @@ def check_kv_head_for(fn):
     return the function to continue with."""
     return check_function("Exercise 8.3", fn, reference=head_reference, cases=_head_cases(),
                           mistakes=HEAD_MISTAKES, tolerance=(0.0, 0.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 8.4: split_kv_kernel, one chunk of the cache -> a partial state (m, l, o), in Triton
+# ----------------------------------------------------------------------------------------------
+
+# 16 is the smallest tile tl.dot accepts: the checks' short caches span several tiles per split.
+SPLIT_CHECK_BLOCK_N = 16
+# Margins of the guarded tensors: a tile's worth of NaN rows after each head's keys (an unmasked
+# tile past the end reads NaN), a few columns after each row (the row stride is not d).
+SPLIT_ROW_MARGIN = SPLIT_CHECK_BLOCK_N
+SPLIT_COL_MARGIN = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_states(q, k, v, splits, block_n=SPLIT_CHECK_BLOCK_N, *, kv_head="group", scale=None,
+                 m_units=1.0, bounds="cdiv", tile_mask="split", rescale=True):
+    """float64 model of the split kernel's partial states, tile by tile.
+
+    The defaults are the right kernel; each keyword does one thing differently (the mistakes).
+
+    Args:
+        q: ``(B, H, n_q, d)``; k, v: ``(B, H_kv, N, d)``. splits: S. block_n: key rows per tile.
+        kv_head: "group" (``h // (H // H_kv)``) or "modulo" (``h % H_kv``).
+        scale: score scale (None: ``1/sqrt(d)``). m_units: factor on the stored m.
+        bounds: "cdiv" (chunks of ``cdiv(N, S)`` keys) or "floor" (``N // S``: the tail is lost).
+        tile_mask: "split" (keys < the chunk's end), "cache" (keys < N: into the next chunk) or
+            "scores" (loads masked, scores not: padding keys score 0).
+        rescale: whether ``acc`` is rescaled by ``exp(m_old − m_new)``.
+
+    Returns:
+        ``(o, m, l)``: ``o`` ``(B, H, S, n_q, d)`` in q's dtype, ``m``, ``l`` ``(B, H, S, n_q)``
+        float32 (m in natural-log units times ``m_units``).
+    """
+    batch, heads, n_q, d = q.shape
+    n_kv_heads, n = k.shape[1], k.shape[2]
+    scale = default_scale(d) if scale is None else scale
+    h = torch.arange(heads)
+    kv = h // (heads // n_kv_heads) if kv_head == "group" else h % n_kv_heads
+    k64, v64 = k.double()[:, kv].cpu(), v.double()[:, kv].cpu()  # (B, H, N, d)
+    s_all = scale * q.double().cpu() @ k64.transpose(-1, -2)  # (B, H, n_q, N)
+    keys_per_split = _cdiv(n, splits) if bounds == "cdiv" else n // splits
+    ms, ls, os_ = [], [], []
+    for split in range(splits):
+        start = split * keys_per_split
+        end = min(start + keys_per_split, n)
+        m = torch.full((batch, heads, n_q), -torch.inf, dtype=torch.float64)
+        l = torch.zeros_like(m)
+        acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float64)
+        for tile in range(start, end, block_n):
+            cols = torch.arange(tile, tile + block_n)
+            inside = cols < n
+            live = cols < (n if tile_mask == "cache" else end)
+            s = torch.zeros((batch, heads, n_q, block_n), dtype=torch.float64)
+            s[..., inside] = s_all[..., cols[inside]]
+            vt = torch.zeros((batch, heads, block_n, d), dtype=torch.float64)
+            vt[..., inside, :] = v64[..., cols[inside], :]
+            vt[..., ~live, :] = 0
+            if tile_mask == "scores":  # masked loads: padding keys are 0, so their score is 0
+                s[..., ~live] = 0
+            else:
+                s[..., ~live] = -torch.inf
+            m_new = torch.maximum(m, s.max(dim=-1).values)
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            l = l * alpha + p.sum(dim=-1)
+            acc = (acc * alpha[..., None] if rescale else acc) + p @ vt
+            m = m_new
+        o = torch.where(l[..., None] > 0, acc / torch.where(l > 0, l, 1)[..., None], 0)
+        ms.append(m * m_units)
+        ls.append(l)
+        os_.append(o)
+    device = q.device
+    return (torch.stack(os_, dim=2).to(device=device, dtype=q.dtype),
+            torch.stack(ms, dim=2).to(device=device, dtype=torch.float32),
+            torch.stack(ls, dim=2).to(device=device, dtype=torch.float32))
+
+
+# The guarded run rejects any inf in an output, but an empty chunk's m is -inf by design (the
+# empty state of chapter 03). The check's runner reports it as this finite stand-in instead, and
+# so do the reference and the mistake models.
+EMPTY_CHUNK_M_REPORTED = torch.finfo(torch.float32).min
+
+
+def _report_empty(m: torch.Tensor) -> torch.Tensor:
+    return m.masked_fill(m == -torch.inf, EMPTY_CHUNK_M_REPORTED)
+
+
+def _checked_states(q, k, v, splits, **wrong):
+    """:func:`split_states` as the check compares it (an empty chunk's m reported finite)."""
+    o, m, l = split_states(q, k, v, splits, **wrong)
+    return o, _report_empty(m), l
+
+
+def _state_mistake(**wrong):
+    def mistaken(q, k, v, splits):
+        return _checked_states(q, k, v, splits, **wrong)
+    return mistaken
+
+
+SPLIT_KERNEL_MISTAKES = {
+    "the K/V head is h % n_kv_heads, which interleaves the groups: GQA groups consecutive query "
+    "heads, so query head h reads K/V head h // (n_heads // n_kv_heads)":
+        _state_mistake(kv_head="modulo"),
+    "acc is not rescaled when the running max grows: multiply acc (like l_i) by "
+    "alpha = exp2(m_old - m_new) before adding p @ v": _state_mistake(rescale=False),
+    "m is stored in log2 units (the kernel's m_i): the combine merges natural-log states like "
+    "chapter 03's, so store m_i * LN_2": _state_mistake(m_units=constants.LOG2_E),
+    "the ragged last tile of the chunk is loaded with a mask but its scores are not masked: the "
+    "padding keys score 0 and take softmax weight — set s to MASK_VALUE where keys >= split_end":
+        _state_mistake(tile_mask="scores"),
+    "the last tile of a chunk runs into the next chunk (keys masked with n_k instead of the "
+    "chunk's end): those keys are counted twice — mask with keys < split_end, "
+    "split_end = min(split_start + keys_per_split, n_k)": _state_mistake(tile_mask="cache"),
+    "the chunks are n_k // SPLITS keys long, so the last n_k % SPLITS keys are never counted: "
+    "use keys_per_split = tl.cdiv(n_k, SPLITS)": _state_mistake(bounds="floor"),
+    "the scores are not scaled: multiply q·kᵀ by qk_scale_log2 (= scale · LOG2_E), not by "
+    "LOG2_E alone": _state_mistake(scale=1.0),
+}
+
+
+def _split_kernel_cases(device: str) -> list[Case]:
+    gen = torch.Generator().manual_seed(8_4)
+    # (B, H, H_kv, n_q, N, d, S, dtype): chunks of 26 keys (a full tile and a ragged one), GQA
+    # in the first case so that every mistake shows there; MQA; more splits than keys; fp16.
+    specs = [(1, 4, 2, 3, 77, 16, 3, torch.float32), (2, 4, 1, 1, 40, 32, 2, torch.float32),
+             (1, 2, 2, 1, 5, 16, 7, torch.float32), (1, 4, 2, 3, 50, 16, 3, torch.float16)]
+    cases = []
+    for b, h, h_kv, n_q, n, d, splits, dtype in specs:
+        q = torch.randn(b, h, n_q, d, generator=gen)
+        k, v = (torch.randn(b, h_kv, n, d, generator=gen) for _ in range(2))
+        label = (f"B={b}, H={h}, H_kv={h_kv}, n_q={n_q}, N={n}, d={d}, SPLITS={splits}, "
+                 f"BLOCK_N={SPLIT_CHECK_BLOCK_N}, {str(dtype).replace('torch.', '')}; outputs "
+                 f"(o, m, l) indexed [b, h, split, row(, col)]")
+        cases.append(Case(tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)),
+                          {"splits": splits}, label=label))
+    return cases
+
+
+def split_kernel_runner(kernel, splits: int):
+    """A guarded run of a split kernel: ``run(q, k, v) -> (o in q's dtype, m, l)``."""
+    from course_lib.exercises import ch05
+    from course_lib.kernels.decoding import launch_split_kv
+
+    margin = (0, 0, SPLIT_ROW_MARGIN, SPLIT_COL_MARGIN)
+
+    def state_shape(q, k, v):
+        return (q.shape[0], q.shape[1], splits, q.shape[2]), torch.float32
+
+    def part_shape(q, k, v):
+        return (q.shape[0], q.shape[1], splits, q.shape[2], q.shape[3]), torch.float32
+
+    def launch(q, k, v, m, l, o):
+        launch_split_kv(kernel, q, k, v, m, l, o, default_scale(q.shape[-1]), SPLIT_CHECK_BLOCK_N)
+        m.copy_(_report_empty(m))
+
+    guarded = ch05.GuardedRun(
+        launch=launch,
+        margins=(margin, margin, margin),
+        # m and l share their strides (one launch argument set): the same margin for both
+        outputs=(ch05.Output("m", (1, 0, 0, 0), state_shape),
+                 ch05.Output("l", (1, 0, 0, 0), state_shape),
+                 ch05.Output("o", (1, 0, 0, 0, 0), part_shape)),
+        store_hint="mask the stores with offs_m < n_q (the padded query rows) and, for o, the "
+                   "real head-dim columns",
+        coverage_hint="each program stores its whole state — m, l and o of its (b, h, split) "
+                      "rows, an empty chunk too (m = -inf, l = 0, o = 0) — at "
+                      "b * stride_mb + h * stride_mh + split * stride_ms + offs_m * stride_mm",
+        load_hint="a tile reads keys past the end of the cache: the last tile of a chunk is "
+                  "ragged — load K and V with the mask keys < split_end (tiles.load_tile_at "
+                  "does it) and set the scores of those keys to MASK_VALUE")
+
+    def run(q, k, v):
+        m, l, o = guarded(q, k, v)
+        return o.to(q.dtype), m, l
+    return run
+
+
+def check_split_kv_kernel(kernel):
+    """Check exercise 8.4, the split kernel of flash-decoding (signature of
+    :func:`course_lib.kernels.decoding.split_kv_kernel`); return the learner's kernel or, when it
+    is not done yet, the library's."""
+    from course_lib.exercises import ch05
+    from course_lib.kernels import decoding as kernels_decoding
+
+    def run(q, k, v, splits):
+        return split_kernel_runner(kernel, splits)(q, k, v)
+
+    return ch05.check_kernel("Exercise 8.4", kernel, run, _checked_states,
+                             _split_kernel_cases(runtime.current().device),
+                             fallback=kernels_decoding.split_kv_kernel,
+                             mistakes=SPLIT_KERNEL_MISTAKES)
+
+
+SPLIT_KERNEL_HINTS = [
+    "Start from who you are: <code>h, split, b = tl.program_id(0), tl.program_id(1), "
+    "tl.program_id(2)</code>; SPLITS is <code>tl.num_programs(1)</code>. Your query head reads "
+    "K/V head <code>h // (n_heads // n_kv_heads)</code> (exercise 8.3).",
+    "Your chunk: <code>keys_per_split = tl.cdiv(n_k, tl.num_programs(1))</code>, "
+    "<code>split_start = split * keys_per_split</code>, <code>split_end = "
+    "tl.minimum(split_start + keys_per_split, n_k)</code>. An empty chunk (more splits than "
+    "keys) simply skips the loop.",
+    "Load the query rows once with <code>tiles.load_tile</code> and the mask "
+    "<code>tiles.row_mask(offs_m, n_q, d_mask)</code>; point at the first K and V tiles with "
+    "<code>tiles.tile_ptrs(K, b, kv_h, offs_n, offs_d, ...)</code>.",
+    "The loop is chapter 06's: <code>for start_n in range(split_start, split_end, BLOCK_N)</code>, "
+    "<code>tiles.load_tile_at(k_ptrs, start_n, offs_n, split_end, d_mask, stride_kn)</code>, "
+    "<code>tiles.scores_log2</code>, then <code>tl.where(keys[None, :] &lt; split_end, s, "
+    "MASK_VALUE)</code> and <code>tiles.online_softmax_step</code>.",
+    "Store the state of the real rows (<code>offs_m &lt; n_q</code>): <code>m_i * LN_2</code> "
+    "(natural-log units, as the combine expects), <code>l_i</code>, and <code>o = acc / l_i</code> "
+    "with <code>l_i</code> replaced by 1 where it is 0 (an empty chunk).",
+]
+
+SPLIT_KERNEL_SKELETON = '''\
+h, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+kv_h = ...                                    # the K/V head of query head h
+keys_per_split = ...                          # tl.cdiv(n_k, number of splits)
+split_start, split_end = ...                  # this program's chunk [start, end)
+offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+d_mask = offs_d < HEAD_DIM_REAL
+q = ...                                       # (BLOCK_M, HEAD_DIM), rows >= n_q are 0
+k_ptrs, v_ptrs = ...                          # the first K and V tiles of head kv_h
+m_i, l_i, acc = ...                           # -inf (MASK_VALUE), 0, 0 in float32
+for start_n in range(split_start, split_end, BLOCK_N):
+    keys, kv_mask, k = ...                    # tiles.load_tile_at, masked at split_end
+    s = ...                                   # scores in log2 units, MASK_VALUE past split_end
+    m_i, l_i, acc = ...                       # tiles.online_softmax_step
+o = ...                                       # acc / l_i, 0 for an empty chunk
+...                                           # store m_i * LN_2, l_i and o for rows < n_q'''
