@@ -86,12 +86,23 @@ def validate_inputs(q, k, v, causal, scale) -> None:
         raise ValueError(f"q has an empty leading dim, shape {tuple(q.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    validate_scale(scale)
+    validate_offsets(q=q, k=k, v=v)
+
+
+def validate_scale(scale) -> None:
+    """``scale`` is None or a finite real number (not a bool); else TypeError/ValueError."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+
+
+def validate_offsets(**tensors) -> None:
+    """Every element of each tensor is reachable with a 32-bit offset (the kernels' index type)."""
+    for name, x in tensors.items():
         span = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
         if span > MAX_ELEMENT_OFFSET:
             raise ValueError(f"{name} spans {span + 1} elements; the kernels use 32-bit offsets "

@@ -35,7 +35,6 @@ speculative decoding's few draft tokens, which the caller masks by passing the r
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -45,7 +44,7 @@ import triton.language as tl
 from course_lib import constants, runtime
 from course_lib.decoding import num_splits_to_fill
 from course_lib.kernels import tiles
-from course_lib.kernels.api import KERNEL_DTYPES, MAX_ELEMENT_OFFSET, _dtype_names
+from course_lib.kernels.api import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
 from course_lib.kernels.forward import compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E, MASK_VALUE
 from course_lib.reference import default_scale
@@ -339,16 +338,8 @@ def validate_decode_inputs(q, k, v, splits, scale) -> None:
             raise TypeError(f"splits must be a positive int or None, got {type(splits).__name__}")
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be between 1 and {MAX_SPLITS}, got {splits}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        span = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
-        if span > MAX_ELEMENT_OFFSET:
-            raise ValueError(f"{name} spans {span + 1} elements; the kernels use 32-bit offsets "
-                             f"(at most {MAX_ELEMENT_OFFSET + 1})")
+    validate_scale(scale)
+    validate_offsets(q=q, k=k, v=v)
 
 
 def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None = None, *,
