@@ -19,6 +19,7 @@ import triton.language as tl  # noqa: E402
 
 from course_lib import primer  # noqa: E402
 from course_lib.checks import ExerciseFailed  # noqa: E402
+from course_lib import kernel_checks  # noqa: E402
 from course_lib.exercises import ch05  # noqa: E402
 
 pytestmark = pytest.mark.ch05
@@ -148,7 +149,7 @@ ON_GPU_REASON = ("a kernel that never ends cannot be interrupted on a GPU (the t
 @pytest.mark.skipif(runtime.current().on_gpu, reason=ON_GPU_REASON)
 def test_add_kernel_that_loops_forever_is_stopped():
     with pytest.raises(ExerciseFailed, match="stopped after 1 s"):
-        ch05.check_kernel("Exercise 5.1", add_forever, ch05.add_runner(add_forever),
+        kernel_checks.check_kernel("Exercise 5.1", add_forever, ch05.add_runner(add_forever),
                           primer.vector_add_reference, ch05._add_cases("cpu"),
                           fallback=primer.add_kernel, time_limit=1)
 
@@ -335,11 +336,11 @@ def test_softmax_mistakes_are_rejected_with_their_cause(kernel, fragments):
 def test_is_not_done_recognises_interpreter_and_compiler_forms():
     wrapped = RuntimeError("InterpreterError")
     wrapped.__cause__ = NotImplementedError("Exercise 6.1: update")
-    assert ch05.is_not_done(wrapped)
+    assert kernel_checks.is_not_done(wrapped)
     # on a GPU the compiler quotes the stub's source line in its message
-    assert ch05.is_not_done(RuntimeError('at 3:4:\n    raise NotImplementedError("Exercise 5.1")\n'
+    assert kernel_checks.is_not_done(RuntimeError('at 3:4:\n    raise NotImplementedError("Exercise 5.1")\n'
                                          "unsupported AST node type: Raise"))
-    assert not ch05.is_not_done(ValueError("shapes do not match"))
+    assert not kernel_checks.is_not_done(ValueError("shapes do not match"))
 
 
 def test_summary_of_a_compilation_error_quotes_the_line_and_hint():
@@ -349,7 +350,7 @@ def test_summary_of_a_compilation_error_quotes_the_line_and_hint():
             self.src = "def k(p, v):\n    acc = tl.dot(p, v)\n"
             self.node = type("Node", (), {"lineno": 2, "col_offset": 10})()
             self.error_message = "Both operands must be same dtype. Got fp32 and fp16"
-    summary = ch05.summarize_kernel_error(FakeCompilationError())
+    summary = kernel_checks.summarize_kernel_error(FakeCompilationError())
     assert summary.splitlines()[0] == ("line 2 of the kernel: `acc = tl.dot(p, v)` — Both operands "
                                        "must be same dtype. Got fp32 and fp16")
     assert "p.to(v.dtype)" in summary
@@ -357,11 +358,11 @@ def test_summary_of_a_compilation_error_quotes_the_line_and_hint():
 
 def test_embed_keeps_values_and_fills_the_margin():
     x = torch.arange(6.0).reshape(2, 3)
-    view, buffer = ch05.embed(x, (1, 2), fill=-1.0)
+    view, buffer = kernel_checks.embed(x, (1, 2), fill=-1.0)
     assert torch.equal(view, x) and view.stride() == (5, 1)
     assert buffer.shape == (3, 5) and int((buffer == -1.0).sum()) == 15 - 6
     with pytest.raises(ValueError, match="one entry per dim"):
-        ch05.embed(x, (1,), fill=0.0)
+        kernel_checks.embed(x, (1,), fill=0.0)
 
 
 # ----------------------------------------------------------------------------------------------

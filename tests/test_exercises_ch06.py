@@ -17,6 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from course_lib.checks import ExerciseFailed  # noqa: E402
+from course_lib import kernel_checks  # noqa: E402
 from course_lib.exercises import ch05, ch06  # noqa: E402
 from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
@@ -227,7 +228,7 @@ def test_broken_learner_code_gets_one_short_message(update, finish, fragment):
 @pytest.mark.skipif(runtime.current().on_gpu,
                     reason="a kernel that never ends cannot be interrupted on a GPU; the interpreter run checks it")
 def test_endless_loop_is_stopped(monkeypatch):
-    monkeypatch.setattr(ch05, "KERNEL_TIME_LIMIT_S", 1)
+    monkeypatch.setattr(kernel_checks, "KERNEL_TIME_LIMIT_S", 1)
     _rejected(ch06.check_online_softmax, (update_forever, ch06.finish_rows), "stopped after 1 s")
 
 
@@ -442,7 +443,7 @@ def test_sentinel_allocations_restore_torch_empty():
         x = torch.empty(3, 4)
         assert torch.empty is not real and len(made) == 1
     assert torch.empty is real
-    assert bool((x == ch05.OUTPUT_SENTINEL).all()) and x.is_contiguous()
+    assert bool((x == kernel_checks.OUTPUT_SENTINEL).all()) and x.is_contiguous()
 
 
 def test_forward_mistake_without_a_model_still_gets_row_and_tile(tmp_path):

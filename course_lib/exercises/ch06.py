@@ -4,7 +4,7 @@ The chapter builds the teaching kernel of :mod:`course_lib.kernels.teaching` fro
 learner writes (6.1 the online-softmax update and finish, 6.2 masked loads and the ragged mask,
 6.3 the causal mask and the end of the K/V loop, 6.4 the same with exp2). One check per
 exercise runs the learner's pieces through the whole kernel, on guarded tensors (see
-:mod:`course_lib.exercises.ch05`), against float64 attention on ragged shapes, and names the
+:mod:`course_lib.kernel_checks`), against float64 attention on ragged shapes, and names the
 classic mistakes by replaying the known wrong pieces in ``*_MISTAKES``. Exercise 6.5 is the
 whole kernel and its launcher, written from a signature: :func:`check_forward_kernel` runs the
 learner's launcher and replays the teaching kernel with one mistake each (``FORWARD_MISTAKES``);
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from course_lib import checks, runtime
 from course_lib.checks import TOLERANCES, Case, ExerciseFailed, describe_value
-from course_lib.exercises import ch05
+from course_lib import kernel_checks
 from course_lib.reference import default_scale, naive_attention_torch
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -68,7 +68,7 @@ def _launch_3d(pieces: Pieces, q, k, v, o, lse, causal: bool, scale: float,
 
 
 def runner(pieces: Pieces, causal: bool, scale: float | None = None,
-           blocks: tuple[int, int] = (CHECK_BLOCK, CHECK_BLOCK), **hints) -> ch05.GuardedRun:
+           blocks: tuple[int, int] = (CHECK_BLOCK, CHECK_BLOCK), **hints) -> kernel_checks.GuardedRun:
     """A guarded run of the kernel with ``pieces`` on (BH, N, d) tensors."""
     margin = (0, ROW_MARGIN, COL_MARGIN)
 
@@ -76,10 +76,10 @@ def runner(pieces: Pieces, causal: bool, scale: float | None = None,
         s = default_scale(q.shape[-1]) if scale is None else scale
         _launch_3d(pieces, q, k, v, o, lse, causal, s, *blocks)
 
-    return ch05.GuardedRun(
+    return kernel_checks.GuardedRun(
         launch=launch, margins=(margin, margin, margin),
-        outputs=(ch05.Output("o", margin),
-                 ch05.Output("lse", (1, 0),  # a head's worth of room past the end
+        outputs=(kernel_checks.Output("o", margin),
+                 kernel_checks.Output("lse", (1, 0),  # a head's worth of room past the end
                              lambda q, k, v: (tuple(q.shape[:2]), torch.float32))),
         **hints)
 
@@ -130,7 +130,7 @@ def _check(exercise, answer, fallback, make_pieces, specs, seed, mistakes, **hin
 
         return runner(learner, causal, explain_nonfinite=explain_nonfinite, **hints)(q, k, v)
 
-    return ch05.check_kernel(
+    return kernel_checks.check_kernel(
         exercise, answer, run, reference, _cases(_rt.device, specs, seed), fallback=fallback,
         mistakes={cause: replay(wrong) for cause, wrong in mistakes.items()})
 
@@ -465,7 +465,7 @@ def _sentinel_allocations():
     def guard(t):
         if not t.is_floating_point() or t.ndim == 0 or t.numel() == 0 or not t.is_contiguous():
             return t
-        buffer = torch.full((t.shape[0] + 1, *t.shape[1:]), ch05.OUTPUT_SENTINEL, dtype=t.dtype,
+        buffer = torch.full((t.shape[0] + 1, *t.shape[1:]), kernel_checks.OUTPUT_SENTINEL, dtype=t.dtype,
                             device=t.device)
         made.append((buffer[: t.shape[0]], buffer))
         return made[-1][0]
@@ -493,15 +493,15 @@ def _tiles(index: int, block: int) -> str:
 def _outputs_of(result, q):
     """``(o, lse)`` from what the launcher returned, or KernelProblem saying what is off."""
     if not isinstance(result, (tuple, list)) or len(result) != 2:
-        raise ch05.KernelProblem(f"your launcher must return (o, lse), got {describe_value(result)}")
+        raise kernel_checks.KernelProblem(f"your launcher must return (o, lse), got {describe_value(result)}")
     expected = {"o": (tuple(q.shape), q.dtype, "q's shape and dtype"),
                 "lse": (tuple(q.shape[:3]), torch.float32, "(B, H, N_q) float32")}
     for (name, (shape, dtype, says)), x in zip(expected.items(), result):
         if not isinstance(x, torch.Tensor):
-            raise ch05.KernelProblem(f"your launcher returned {name} as {describe_value(x)}: "
+            raise kernel_checks.KernelProblem(f"your launcher returned {name} as {describe_value(x)}: "
                                      f"expected a tensor")
         if tuple(x.shape) != shape or x.dtype != dtype:
-            raise ch05.KernelProblem(
+            raise kernel_checks.KernelProblem(
                 f"your launcher returned {name} {describe_value(x)}: expected {says}, "
                 f"{shape} {str(dtype).replace('torch.', '')}")
     return tuple(result)
@@ -509,7 +509,7 @@ def _outputs_of(result, q):
 
 def _unwritten(name, x):
     """A KernelProblem naming where ``x`` (B, H, N_q[, d]) still holds the sentinel, or None."""
-    unwritten = x == ch05.OUTPUT_SENTINEL
+    unwritten = x == kernel_checks.OUTPUT_SENTINEL
     if x.ndim == 4:
         unwritten = unwritten.any(dim=-1)  # (B, H, N_q) rows with any element never written
     if not unwritten.any():
@@ -528,7 +528,7 @@ def _unwritten(name, x):
         cause = ("some Q tiles were never written — program pid owns Q tile pid % cdiv(N_q, "
                  "BLOCK_M) of (batch, head) pid // cdiv(N_q, BLOCK_M), and the grid must have "
                  "cdiv(N_q, BLOCK_M) · B · H programs")
-    return ch05.KernelProblem(
+    return kernel_checks.KernelProblem(
         f"{int(unwritten.sum())} row(s) of {name} {tuple(x.shape)} were never written, the first "
         f"row {row} of (batch {b}, head {h}), Q tile {row // CHECK_BLOCK} "
         f"({_tiles(row, CHECK_BLOCK)})\n  likely cause: {cause}")
@@ -536,7 +536,7 @@ def _unwritten(name, x):
 
 def _launch_guarded(launcher, q, k, v, causal, fill):
     """Run the learner's launcher on guarded copies of q, k, v; return (o, lse, allocations)."""
-    embedded = [ch05.embed(x, FORWARD_INPUT_MARGIN, fill) for x in (q, k, v)]
+    embedded = [kernel_checks.embed(x, FORWARD_INPUT_MARGIN, fill) for x in (q, k, v)]
     views = [view for view, _ in embedded]
     pristine = [buffer.clone() for _, buffer in embedded]
     with warnings.catch_warnings():  # the interpreter's NumPy overflow warnings: we diagnose
@@ -547,7 +547,7 @@ def _launch_guarded(launcher, q, k, v, causal, fill):
             torch.cuda.synchronize()
     for name, (_, buffer), before in zip("qkv", embedded, pristine):
         if not checks.same_value(before, buffer):
-            raise ch05.KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+            raise kernel_checks.KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
                                      f"read-only: tl.store only to O and LSE (pointers swapped?)")
     o, lse = _outputs_of(result, q)
     return o, lse, views, made
@@ -691,11 +691,11 @@ def forward_runner(launcher, wrong_values: list | None = None):
     each on a GPU).
     """
     def run(q, k, v, causal):
-        o, lse, views, made = _launch_guarded(launcher, q, k, v, causal, ch05.INPUT_MARGIN_FILL)
+        o, lse, views, made = _launch_guarded(launcher, q, k, v, causal, kernel_checks.INPUT_MARGIN_FILL)
         for name, x in (("o", o), ("lse", lse)):
             buffer = _buffer_of(x, made)
-            if buffer is not None and bool((buffer[x.shape[0]:] != ch05.OUTPUT_SENTINEL).any()):
-                raise ch05.KernelProblem(
+            if buffer is not None and bool((buffer[x.shape[0]:] != kernel_checks.OUTPUT_SENTINEL).any()):
+                raise kernel_checks.KernelProblem(
                     f"your kernel wrote past the end of {name} {tuple(x.shape)} — the last Q tile "
                     f"sticks out past N_q: mask the stores of o and lse with offs_m < n_q")
         for name, x in (("o", o), ("lse", lse)):
@@ -708,7 +708,7 @@ def forward_runner(launcher, wrong_values: list | None = None):
             return got
         message = problem
         if not all(torch.isfinite(x).all() for x in got):
-            again = _launch_guarded(launcher, q, k, v, causal, ch05.INPUT_MARGIN_REFILL)[:2]
+            again = _launch_guarded(launcher, q, k, v, causal, kernel_checks.INPUT_MARGIN_REFILL)[:2]
             if all(torch.isfinite(x).all() for x in again):
                 message += ("\n  the NaN comes from memory outside the inputs (their margins hold "
                             "NaN): a load without a mask, or a wrong offset or stride")
@@ -717,7 +717,7 @@ def forward_runner(launcher, wrong_values: list | None = None):
                             "number, or l_i = 0 (a row that saw no key: check the masks)")
         if wrong_values is not None:
             wrong_values[:] = [message, got, views, causal]
-        raise ch05.KernelProblem(message)
+        raise kernel_checks.KernelProblem(message)
 
     return run
 
@@ -744,7 +744,7 @@ def check_forward_kernel(launcher):
     """
     wrong_values: list = []
     try:
-        return ch05.check_kernel("Exercise 6.5", launcher, forward_runner(launcher, wrong_values),
+        return kernel_checks.check_kernel("Exercise 6.5", launcher, forward_runner(launcher, wrong_values),
                                  reference, _forward_cases(_rt.device), fallback=library_forward)
     except ExerciseFailed as failure:
         if not wrong_values:

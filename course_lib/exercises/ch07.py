@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from course_lib.exercises import ch05  # noqa: E402
+from course_lib import kernel_checks  # noqa: E402
 from course_lib.kernels import backward  # noqa: E402
 from course_lib.kernels import forward as forward_kernel  # noqa: E402
 from course_lib.kernels.tiles import LOG2_E  # noqa: E402
@@ -339,7 +339,7 @@ def _gradient_diagnosis(exercise, n, n_cases, case, got, want, names, blocks, to
 def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, names, blocks_of,
                      tolerance=None, kernel_check=None, answer=None, quiet=False):
     """Run ``fn`` through :func:`check_function` (or ``kernel_check``, chapter 05's guarded
-    :func:`~course_lib.exercises.ch05.check_kernel`) for everything that is not about values —
+    :func:`~course_lib.exercises.kernel_checks.check_kernel`) for everything that is not about values —
     not done yet, crashes, None, wrong shapes, inputs changed in place, endless loops, stores out
     of bounds — and replace its message for a wrong value by one gradient diagnosis.
 
@@ -810,7 +810,7 @@ def _like(i):
     return lambda *inputs: (tuple(inputs[i].shape), inputs[i].dtype)
 
 
-def kernel_runner(dkdv, dq_kern, causal, scale, mistakes=None) -> ch05.GuardedRun:
+def kernel_runner(dkdv, dq_kern, causal, scale, mistakes=None) -> kernel_checks.GuardedRun:
     """A guarded run of the two kernels on ``(q, k, v, o, lse, do)``."""
     def launch(q, k, v, o, lse, do, dq, dk, dv):
         launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal, scale, dq=dq, dk=dk, dv=dv)
@@ -824,10 +824,10 @@ def kernel_runner(dkdv, dq_kern, causal, scale, mistakes=None) -> ch05.GuardedRu
                 return cause
         return None
 
-    return ch05.GuardedRun(
+    return kernel_checks.GuardedRun(
         launch=launch, margins=(_MARGIN_4D,) * 4 + ((1, 0, 0), _MARGIN_4D),
-        outputs=(ch05.Output("dq", _MARGIN_4D, _like(0)), ch05.Output("dk", _MARGIN_4D, _like(1)),
-                 ch05.Output("dv", _MARGIN_4D, _like(2))),
+        outputs=(kernel_checks.Output("dq", _MARGIN_4D, _like(0)), kernel_checks.Output("dk", _MARGIN_4D, _like(1)),
+                 kernel_checks.Output("dv", _MARGIN_4D, _like(2))),
         store_hint="the last, ragged tile sticks out past N: mask every tl.store with rows < n_q "
                    "(dq) or cols < n_k (dk, dv)",
         coverage_hint="each program writes its own tile: dK/dV programs cover "
@@ -884,7 +884,7 @@ def check_backward_kernels(dkdv, dq_kern):
     return _check_gradients("Exercise 7.5", run, reference_gradients, kernel_cases(),
                             fallback=(dkdv_kernel, dq_kernel), mistakes=KERNEL_MISTAKES,
                             names=("dq", "dk", "dv"), blocks_of=_kernel_blocks,
-                            kernel_check=ch05.check_kernel, answer=(dkdv, dq_kern))
+                            kernel_check=kernel_checks.check_kernel, answer=(dkdv, dq_kern))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1046,7 +1046,7 @@ def check_autograd_function(fn_cls):
             ours = _train_losses(attention)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback wall
         raise ExerciseFailed(f"✗ {exercise}: training the tiny LM with your Function failed: "
-                             f"{ch05.summarize_kernel_error(exc)}") from None
+                             f"{kernel_checks.summarize_kernel_error(exc)}") from None
     theirs = _train_losses(tinylm.sdpa_attention)
     tolerance = tinylm.loss_tolerance(_rt.on_gpu)
     gaps = [abs(a - b) for a, b in zip(ours, theirs)]

@@ -1,0 +1,380 @@
+"""Checking a learner's Triton kernel: "not done yet" on any machine, guarded buffers, one diagnosis.
+
+The learner's answer to a kernel exercise (chapters 05–08) is a ``@triton.jit`` kernel, which
+raises two problems a plain function check (:mod:`course_lib.checks`) does not have:
+
+1. **Not done yet looks different on each machine.** The learner notebook's stub is
+   ``raise NotImplementedError("Exercise 5.1: ...")`` inside the kernel. Triton's interpreter
+   raises it at launch wrapped in an ``InterpreterError``; on a GPU, Triton's compiler refuses
+   the ``raise`` statement with a ``CompilationError`` whose message quotes the line.
+   :func:`is_not_done` recognises both.
+2. **A wrong kernel can corrupt memory.** An unmasked store past the end of a tensor writes into
+   whatever lies there (in the interpreter that can crash Python). So the checks never hand the
+   learner's kernel bare tensors: :class:`GuardedRun` embeds every tensor in a larger buffer —
+   inputs surrounded by NaN, outputs by a sentinel — and afterwards reports a store outside the
+   output, an output element never written, or a result that depends on memory outside the
+   inputs (a load past the end). The diagnosis names the mask or offset to look at.
+
+Any other error becomes one short line (:func:`summarize_kernel_error`): the first meaningful
+line of Triton's message, where in the kernel it happened, and a hint when the message is one
+of the classic ones (operands of ``tl.dot`` in different dtypes, a block size that is not a
+power of two, ...). :func:`check_kernel` puts it together for one exercise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from course_lib import checks
+from course_lib.checks import Case, ExerciseFailed
+
+
+# Inputs are surrounded by NaN: a NaN in the output then means the kernel read outside its
+# input (a missing mask on tl.load, or a wrong offset). Outputs are pre-filled with a sentinel,
+# a value no exercise produces (|softmax| <= 1, |attention| <= max|v|, |x + y| of randn is small)
+# and exactly representable in fp16/bf16/fp32, so "never written" and "written outside" show.
+INPUT_MARGIN_FILL = float("nan")
+OUTPUT_SENTINEL = -4096.0
+# The second fill for inputs' margins: when a NaN output turns finite with it, the NaN came
+# from outside the inputs, not from the arithmetic.
+INPUT_MARGIN_REFILL = 0.0
+
+# Per-case time limit for kernels (seconds). The interpreter runs the checks' cases in well
+# under a second each; a kernel that takes this long is looping forever.
+KERNEL_TIME_LIMIT_S = 30.0
+
+
+class KernelProblem(RuntimeError):
+    """A learner's kernel failed in a way the guarded run diagnosed; the message says how."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a kernel's errors
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during, outermost first."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        chain.append(exc)
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def is_not_done(exc: BaseException) -> bool:
+    """True when ``exc`` comes from an exercise stub ``raise NotImplementedError(...)``.
+
+    Interpreter: a ``NotImplementedError`` is in the chain. GPU: the compiler rejects the
+    ``raise`` statement and quotes its source line, so the text names ``NotImplementedError``.
+    """
+    for e in exception_chain(exc):
+        if isinstance(e, NotImplementedError) or "NotImplementedError" in str(e):
+            return True
+    return False
+
+
+# (pattern in the error text, what it usually means)
+ERROR_HINTS = (
+    ("must be same dtype",
+     "tl.dot needs both operands in the same dtype: convert the fp32 probabilities first, "
+     "tl.dot(p.to(v.dtype), v) — a missing .to(dtype) before a dot"),
+    ("power of 2",
+     "tl.arange (and so every block size) must be a power of two: round the width up with "
+     "triton.next_power_of_2 and mask the extra lanes"),
+    ("equal ranks >= 2",
+     "tl.dot multiplies 2-D tiles: check the shapes (BLOCK_M, d) @ (d, BLOCK_N)"),
+    ("incompatible dimensions",
+     "shapes do not line up: tl.dot(a, b) needs a's last dim == b's first dim (tl.trans(k)?)"),
+    ("Cannot broadcast", "shapes do not broadcast: a row index needs [:, None], a column index [None, :]"),
+    ("is not defined", "a name is not defined inside the kernel: kernels see only their "
+                       "arguments, triton.language (tl) and constexpr globals"),
+    ("unsupported AST node", "that Python statement is not supported inside a @triton.jit kernel"),
+)
+
+
+def _is_library_frame(filename: str) -> bool:
+    return any(part in filename for part in ("site-packages", "dist-packages", "/triton/",
+                                             "/course_lib/", "<frozen", "/lib/python"))
+
+
+def _user_location(chain: list[BaseException]) -> str:
+    """' (line N: `code`)' for the innermost traceback frame in the learner's code, if any."""
+    for exc in reversed(chain):  # innermost exception first
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not _is_library_frame(f.filename)]
+        if frames:
+            f = frames[-1]
+            return f" (line {f.lineno}: `{(f.line or '').strip()}`)"
+    return ""
+
+
+def _compilation_detail(exc: BaseException) -> str | None:
+    """For a Triton CompilationError (GPU): 'line N: `code` — message', else None."""
+    node, src, message = (getattr(exc, a, None) for a in ("node", "src", "error_message"))
+    if node is None or not hasattr(node, "lineno"):
+        return None
+    line = ""
+    if src:
+        lines = src.split("\n")
+        if 0 < node.lineno <= len(lines):
+            line = lines[node.lineno - 1].strip()
+    text = (message or type(exc).__name__).strip().splitlines()
+    return f"line {node.lineno} of the kernel: `{line}` — {text[0] if text else ''}"
+
+
+def summarize_kernel_error(exc: BaseException) -> str:
+    """One or two lines that say what went wrong in a kernel launch, and where.
+
+    Walks the exception chain to the innermost error (Triton wraps the real one), keeps its
+    first line, adds the learner's source line and a hint for the classic mistakes.
+    """
+    chain = exception_chain(exc)
+    detail = None
+    for e in reversed(chain):  # the innermost compilation error points at the offending line
+        detail = _compilation_detail(e)
+        if detail:
+            break
+    innermost = chain[-1]
+    if detail is None:
+        first = (str(innermost).strip().splitlines() or [""])[0]
+        detail = f"{type(innermost).__name__}: {first}{_user_location(chain)}"
+    text = " ".join(f"{e} {getattr(e, 'error_message', '') or ''}" for e in chain)
+    for pattern, hint in ERROR_HINTS:
+        if pattern in text:
+            return f"{detail}\n  hint: {hint}"
+    return detail
+
+
+# ----------------------------------------------------------------------------------------------
+# Guarded runs: tensors with margins
+
+
+def embed(x: torch.Tensor, margin: Sequence[int], fill: float):
+    """A copy of ``x`` living inside a larger buffer filled with ``fill``.
+
+    Args:
+        x: ``(n_0, ..., n_k)``.
+        margin: extra size along each dim, appended after the data. A margin along the last
+            dim makes rows strided (gaps between rows); along the first dim it adds room past
+            the end of the tensor.
+
+    Returns:
+        ``(view, buffer)``: ``view`` has x's shape and values and the buffer's strides.
+    """
+    if len(margin) != x.ndim:
+        raise ValueError(f"margin needs one entry per dim of x ({x.ndim}), got {tuple(margin)}")
+    buffer = torch.full([n + m for n, m in zip(x.shape, margin)], fill, dtype=x.dtype,
+                        device=x.device)
+    view = buffer[tuple(slice(0, n) for n in x.shape)]
+    view.copy_(x)
+    return view, buffer
+
+
+def _outside(buffer: torch.Tensor, shape) -> torch.Tensor:
+    """Boolean mask of the buffer's margin (True outside the embedded view)."""
+    inside = torch.zeros(buffer.shape, dtype=torch.bool, device=buffer.device)
+    inside[tuple(slice(0, n) for n in shape)] = True
+    return ~inside
+
+
+def _like_first_input(*inputs):
+    return tuple(inputs[0].shape), inputs[0].dtype
+
+
+@dataclass
+class Output:
+    """An output a kernel writes: its name in messages, its margin per dim, and
+    ``shape_dtype(*inputs) -> (shape, dtype)`` (default: those of the first input)."""
+
+    name: str
+    margin: tuple
+    shape_dtype: Callable = _like_first_input
+
+
+@dataclass
+class GuardedRun:
+    """How to run one kernel on guarded tensors.
+
+    ``launch(*inputs, *outputs)`` launches the kernel on views (inputs first, then outputs);
+    ``margins`` gives each input's margin per dim; ``outputs`` describes what it writes.
+    """
+
+    launch: Callable
+    margins: Sequence[tuple]
+    outputs: Sequence[Output]
+    store_hint: str = "mask every tl.store so that lanes past the end write nothing"
+    coverage_hint: str = ("each program must start at its own block: offsets = pid * BLOCK_SIZE + "
+                          "tl.arange(0, BLOCK_SIZE), and the grid must cover every block")
+    load_hint: str = ("a tl.load reads outside the input — a missing mask (or other=) on a load, "
+                      "or a wrong offset or stride")
+    nonfinite_hint: str = ("an exp() of a large positive number (subtract the running max first; "
+                           "the correction is exp(m_old - m_new), never the reverse) or a "
+                           "division by zero")
+    # explain_nonfinite(inputs, outputs) -> a likely cause, or None (e.g. by replaying mistakes)
+    explain_nonfinite: Callable | None = None
+    # explain_outside(inputs, outputs) -> a likely cause, or None: called when NaN came from the
+    # inputs' margins, with the outputs of a second run whose margins held INPUT_MARGIN_REFILL
+    explain_outside: Callable | None = None
+
+    def _input_names(self, n: int) -> list[str]:
+        """The launcher's names for its first ``n`` parameters (the inputs), e.g. ``x, y``."""
+        try:
+            names = list(inspect.signature(self.launch).parameters)
+        except (TypeError, ValueError):
+            names = []
+        return names[:n] if len(names) >= n else [f"#{i}" for i in range(1, n + 1)]
+
+    def _launch(self, inputs, fill):
+        embedded = [embed(x, m, fill) for x, m in zip(inputs, self.margins)]
+        views = [view for view, _ in embedded]
+        pristine = [buffer.clone() for _, buffer in embedded]  # to see a store into an input
+        device = inputs[0].device
+        outs = []
+        for o in self.outputs:
+            shape, dtype = o.shape_dtype(*inputs)
+            view, buffer = embed(torch.empty(shape, dtype=dtype, device=device), o.margin,
+                                 OUTPUT_SENTINEL)
+            view.fill_(OUTPUT_SENTINEL)
+            outs.append((view, buffer))
+        with warnings.catch_warnings():  # the interpreter's NumPy overflow warnings: we diagnose
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.launch(*views, *(v for v, _ in outs))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        for name, (_, buffer), before in zip(self._input_names(len(inputs)), embedded, pristine):
+            if not checks.same_value(before, buffer):
+                raise KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+                                    f"read-only: tl.store only to the output pointer(s) (two "
+                                    f"pointer arguments swapped?)")
+        return outs
+
+    def __call__(self, *inputs):
+        """Run on guarded copies of ``inputs``; return the outputs (one tensor or a tuple)."""
+        outs = self._launch(inputs, INPUT_MARGIN_FILL)
+        results = []
+        for spec, (view, buffer) in zip(self.outputs, outs):
+            sentinel = torch.tensor(OUTPUT_SENTINEL, dtype=buffer.dtype, device=buffer.device)
+            outside = _outside(buffer, view.shape)
+            written_outside = int((outside & (buffer != sentinel)).sum())
+            if written_outside:
+                raise KernelProblem(f"your kernel wrote {written_outside} value(s) outside "
+                                    f"{spec.name} {tuple(view.shape)} — {self.store_hint}")
+            unwritten = torch.nonzero(view == sentinel)
+            if len(unwritten):
+                first = tuple(int(i) for i in unwritten[0])
+                raise KernelProblem(f"{len(unwritten)} element(s) of {spec.name} "
+                                    f"{tuple(view.shape)} were never written (first at index "
+                                    f"{first}) — {self.coverage_hint}")
+            results.append(view.clone())
+        if any(not torch.isfinite(r).all() for r in results) and all(
+                torch.isfinite(x).all() for x in inputs):
+            again = [v.clone() for v, _ in self._launch(inputs, INPUT_MARGIN_REFILL)]
+            if all(torch.isfinite(r).all() for r in again):
+                cause = self.explain_outside(inputs, again) if self.explain_outside else None
+                raise KernelProblem(f"the output depends on memory outside the inputs (their "
+                                    f"margins hold NaN, and NaN came out) — "
+                                    f"{cause or self.load_hint}")
+            cause = self.explain_nonfinite(inputs, results) if self.explain_nonfinite else None
+            raise KernelProblem("your kernel returns NaN or inf although every input is finite — "
+                                + (f"likely cause: {cause}" if cause else self.nonfinite_hint))
+        return results[0] if len(results) == 1 else tuple(results)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking a kernel exercise
+
+
+def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
+                 cases: Sequence[Case], *, fallback, mistakes: dict | None = None,
+                 tolerance: tuple[float, float] | None = None,
+                 time_limit: float | None = None, locate: Callable | None = None):
+    """Check a kernel exercise and return what the notebook should go on with.
+
+    Args:
+        exercise: the id shown to the learner, e.g. ``"Exercise 5.1"``.
+        answer: the learner's kernel (or kernels); returned when they pass.
+        run: ``run(*case.args)`` runs the learner's answer (through a :class:`GuardedRun`).
+        reference: the correct outputs for a case's args.
+        cases: inputs to try, irregular sizes first-class.
+        fallback: returned when the exercise is not done yet (the library's kernel).
+        mistakes: ``{"likely cause": fn}`` as in :func:`course_lib.checks.check_function`.
+        time_limit: seconds per case; default :data:`KERNEL_TIME_LIMIT_S` (read at call time).
+        locate: ``locate(index) -> text`` names what owns an output index (e.g. its tile); the
+            diagnosis shows it under the first index it quotes.
+
+    Raises:
+        ExerciseFailed: with a short diagnosis when the kernel is wrong, fails to compile or
+            run, writes out of bounds, or runs past ``time_limit``.
+    """
+    problem: list[str] = []
+    cases = list(cases)
+    current: list[str] = []  # the case in hand, as the diagnosis names it
+
+    def describe(args, kwargs):
+        for n, case in enumerate(cases, 1):
+            if len(case.args) == len(args) and all(a is b for a, b in zip(case.args, args)):
+                return f"case {n} of {len(cases)}, {case.describe()}"
+        return Case(args, kwargs).describe()
+
+    def tracked_reference(*args, **kwargs):
+        # check_function calls the reference on a case's own tensors just before it runs the
+        # learner's answer on copies of them (which identity cannot match to a case)
+        current[:] = [describe(args, kwargs)]
+        return reference(*args, **kwargs)
+
+    def attempt(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except KernelProblem as exc:
+            problem.append(f"{exc}\n  on {current[0]}")
+            raise
+        except Exception as exc:  # noqa: BLE001 - any learner error becomes a diagnosis
+            chain = exception_chain(exc)
+            for e in chain:  # a time limit hit inside the interpreter: let checks report it
+                if isinstance(e, checks.TimeLimitExceeded):
+                    raise e from None
+            if is_not_done(exc):
+                raise NotImplementedError(exercise) from None
+            problem.append(f"your kernel failed on {current[0]}"
+                           f"\n  {summarize_kernel_error(exc)}")
+            raise KernelProblem(problem[-1]) from None
+        # SystemExit and KeyboardInterrupt (BaseException, not Exception: Triton's interpreter
+        # does not wrap them) go on to check_function, which diagnoses them
+
+    output = checks.CapturedOutput()
+    try:
+        result = checks.check_function(exercise, attempt, tracked_reference, cases,
+                                       fallback=fallback, tolerance=tolerance, mistakes=mistakes,
+                                       time_limit=time_limit or KERNEL_TIME_LIMIT_S,
+                                       subject="your kernel", output=output)
+    except ExerciseFailed as failed:
+        message = str(failed)
+        if problem:
+            message = "\n".join([f"✗ {exercise}: {problem[-1]}", *output.excerpt("your kernel")])
+        raise ExerciseFailed(_with_location(message, locate)) from None
+    return answer if result is attempt else result
+
+
+_INDEX = re.compile(r"index \(([\d, ]+)\)")
+
+
+def _with_location(message: str, locate: Callable | None) -> str:
+    """``message`` with ``locate(index)`` on a line after the first line quoting an index."""
+    if locate is None:
+        return message
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        found = _INDEX.search(line)
+        if found:
+            index = tuple(int(v) for v in found.group(1).split(",") if v.strip())
+            lines.insert(i + 1, f"  {locate(index)}")
+            break
+    return "\n".join(lines)
