@@ -235,3 +235,150 @@ def test_split_kernel_hint_ladder_and_skeleton():
     assert ladder.show_skeleton() == ch08.SPLIT_KERNEL_SKELETON
     ast.parse(ch08.SPLIT_KERNEL_SKELETON)  # valid Python, with `...` where the learner writes
     assert "h // (n_heads // n_kv_heads)" in ch08.SPLIT_KERNEL_HINTS[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 8.5: the combine kernel. The same kind of corpus: one kernel, a constexpr MISTAKE
+# switch, 0 right and each other value one classic mistake.
+
+(C_RIGHT, C_PLAIN_L, C_AVERAGE, C_LSE_NO_M, C_FIRST_M, C_DIVIDE_BY_S, C_LSE_LOG2,
+ C_LOADS_UNMASKED) = (tl.constexpr(i) for i in range(8))
+
+
+@triton.jit
+def _combine_kernel_with_mistake(M, L, O_part, Out, Lse,
+                                 stride_mb, stride_mh, stride_ms, stride_mm,
+                                 stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
+                                 stride_ob, stride_oh, stride_om, stride_od,
+                                 stride_lb, stride_lh, stride_lm,
+                                 n_splits,
+                                 BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                 HEAD_DIM_REAL: tl.constexpr, MISTAKE: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < n_splits
+    d_mask = offs_d < HEAD_DIM_REAL
+    ml_off = b * stride_mb + h * stride_mh + offs_s * stride_ms + row * stride_mm
+    if MISTAKE == C_LOADS_UNMASKED:
+        m = tl.load(M + ml_off)
+        l = tl.load(L + ml_off)
+    else:
+        m = tl.load(M + ml_off, mask=s_mask, other=MASK_VALUE)
+        l = tl.load(L + ml_off, mask=s_mask, other=0.0)
+    o = tl.load(O_part + b * stride_pb + h * stride_ph + row * stride_pm
+                + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    if MISTAKE == C_FIRST_M:
+        m_max = tl.load(M + b * stride_mb + h * stride_mh + row * stride_mm)  # split 0's m
+    else:
+        m_max = tl.max(m, axis=0)
+    if MISTAKE == C_PLAIN_L:
+        w = l
+    else:
+        w = l * tl.exp(m - m_max)
+    l_sum = tl.sum(w, axis=0)
+    if MISTAKE == C_AVERAGE:
+        out = tl.sum(o, axis=0) / n_splits
+    elif MISTAKE == C_DIVIDE_BY_S:
+        out = tl.sum(w[:, None] * o, axis=0) / n_splits
+    else:
+        out = tl.sum(w[:, None] * o, axis=0) / l_sum
+    if MISTAKE == C_LSE_NO_M:
+        lse = tl.log(l_sum)
+    elif MISTAKE == C_LSE_LOG2:
+        lse = m_max * LOG2_E + tl.log2(l_sum)
+    else:
+        lse = m_max + tl.log(l_sum)
+    tl.store(Out + b * stride_ob + h * stride_oh + row * stride_om + offs_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=d_mask)
+    tl.store(Lse + b * stride_lb + h * stride_lh + row * stride_lm, lse)
+
+
+class _CombineWithMistake:
+    """``kernel[grid](...)`` of the combine corpus kernel with its MISTAKE switch set."""
+
+    def __init__(self, mistake):
+        self.mistake = int(getattr(mistake, "value", mistake))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return _combine_kernel_with_mistake[grid](*args, **kwargs, MISTAKE=self.mistake)
+        return launch
+
+
+_COMBINE_CAUSES = list(ch08.COMBINE_KERNEL_MISTAKES)
+
+# mistake -> (text its diagnosis must contain, the case it fails on)
+COMBINE_KERNEL_CORPUS = {k.value: found for k, found in {
+    C_PLAIN_L: (f"likely cause: {_COMBINE_CAUSES[0]}", "case 2 of 4"),
+    C_AVERAGE: (f"likely cause: {_COMBINE_CAUSES[1]}", "case 2 of 4"),
+    C_LSE_NO_M: (f"likely cause: {_COMBINE_CAUSES[2]}", "case 1 of 4"),
+    C_FIRST_M: (f"likely cause: {_COMBINE_CAUSES[3]}", "case 2 of 4"),
+    C_DIVIDE_BY_S: (f"likely cause: {_COMBINE_CAUSES[4]}", "case 1 of 4"),
+    C_LSE_LOG2: (f"likely cause: {_COMBINE_CAUSES[5]}", "case 1 of 4"),
+    C_LOADS_UNMASKED: ("a load reads past the last split", "case 2 of 4"),
+}.items()}
+
+
+def test_combine_kernel_corpus_is_right_with_no_mistake(capsys):
+    kernel = _CombineWithMistake(C_RIGHT)
+    assert ch08.check_combine_kernel(kernel) is kernel
+    assert "Exercise 8.5: passed" in capsys.readouterr().out
+
+
+def test_library_combine_kernel_passes(capsys):
+    kernel = kernels_decoding.combine_kernel
+    assert ch08.check_combine_kernel(kernel) is kernel
+    assert "Exercise 8.5: passed (4 cases)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", COMBINE_KERNEL_CORPUS)
+def test_each_wrong_combine_kernel_is_rejected_with_its_cause(mistake):
+    with pytest.raises(ExerciseFailed) as info:
+        ch08.check_combine_kernel(_CombineWithMistake(mistake))
+    message = str(info.value)
+    text, case = COMBINE_KERNEL_CORPUS[mistake]
+    assert message.startswith("✗ Exercise 8.5") and case in message, message
+    assert text in message, message
+    assert message.count("likely cause") <= 1  # one diagnosis
+
+
+@triton.jit
+def _stub_combine_kernel(M, L, O_part, Out, Lse,
+                         stride_mb, stride_mh, stride_ms, stride_mm,
+                         stride_pb, stride_ph, stride_ps, stride_pm, stride_pd,
+                         stride_ob, stride_oh, stride_om, stride_od,
+                         stride_lb, stride_lh, stride_lm,
+                         n_splits,
+                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_REAL: tl.constexpr):
+    raise NotImplementedError("Exercise 8.5: write the combine kernel")
+
+
+def test_combine_kernel_stub_is_not_done_and_falls_back(capsys):
+    assert ch08.check_combine_kernel(_stub_combine_kernel) is kernels_decoding.combine_kernel
+    assert "Exercise 8.5: not done yet" in capsys.readouterr().out
+
+
+def test_merged_output_model_matches_the_reference():
+    for case in ch08._combine_kernel_cases("cpu"):
+        want = ch08.combine_reference(*case.args, **case.kwargs)
+        got = ch08.merged_output(*case.args, **case.kwargs)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_combine_kernel_hint_ladder_and_skeleton():
+    import ast
+
+    from course_lib.widgets.hints import HintLadder
+
+    ladder = HintLadder("Exercise 8.5", ch08.COMBINE_KERNEL_HINTS,
+                        skeleton=ch08.COMBINE_KERNEL_SKELETON)
+    assert ladder.show_skeleton() == ch08.COMBINE_KERNEL_SKELETON
+    ast.parse(ch08.COMBINE_KERNEL_SKELETON)
+    assert "l * tl.exp(m - m_max)" in ch08.COMBINE_KERNEL_HINTS[2]

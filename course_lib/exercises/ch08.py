@@ -1,18 +1,20 @@
 """Checks for chapter 08 (beyond): exercise 8.1, the KV-cache size; 8.2, combining the partial
 results of split-KV decoding; 8.3, the GQA head mapping; 8.4, the split kernel of flash-decoding
-in Triton (numbered in the notebook's order).
+in Triton; 8.5, its combine kernel (numbered in the notebook's order).
 
 Each check runs the learner's function on prepared cases and compares with
 :mod:`course_lib.kvcache`, :mod:`course_lib.decoding` and :mod:`course_lib.gqa`. When the answer
 is wrong, the known mistakes below are replayed on the failing case; the one that reproduces the
 learner's output is named. The mistake models are public (``COMBINE_MISTAKES``,
-``CACHE_MISTAKES``, ``HEAD_MISTAKES``, ``SPLIT_KERNEL_MISTAKES``) so that tests and instructors
-can see what is recognised.
+``CACHE_MISTAKES``, ``HEAD_MISTAKES``, ``SPLIT_KERNEL_MISTAKES``, ``COMBINE_KERNEL_MISTAKES``)
+so that tests and instructors can see what is recognised.
 
 Exercise 8.4 is a Triton kernel: its check runs it on guarded tensors with chapter 05's harness
-(:func:`course_lib.exercises.ch05.check_kernel`) and compares the partial states it writes with
+(:func:`course_lib.kernel_checks.check_kernel`) and compares the partial states it writes with
 a float64 model of the same tiles (:func:`split_states`); the mistakes are that model with one
 thing done wrong, so the diagnosis names the first bad (batch, head, split, row) and the cause.
+Exercise 8.5, the combine kernel, is checked the same way against a float64 merge of the
+workspace (:func:`combine_reference`), its mistakes modelled by :func:`merged_output`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 import torch
 
-from course_lib import constants, decoding, gqa, kvcache, runtime
+from course_lib import checks, constants, decoding, gqa, kvcache, runtime
 from course_lib.checks import Case, check_function
 from course_lib.reference import default_scale
 
@@ -352,7 +354,7 @@ def _split_kernel_cases(device: str) -> list[Case]:
 
 def split_kernel_runner(kernel, splits: int):
     """A guarded run of a split kernel: ``run(q, k, v) -> (o in q's dtype, m, l)``."""
-    from course_lib.exercises import ch05
+    from course_lib import kernel_checks
     from course_lib.kernels.decoding import launch_split_kv
 
     margin = (0, 0, SPLIT_ROW_MARGIN, SPLIT_COL_MARGIN)
@@ -367,13 +369,13 @@ def split_kernel_runner(kernel, splits: int):
         launch_split_kv(kernel, q, k, v, m, l, o, default_scale(q.shape[-1]), SPLIT_CHECK_BLOCK_N)
         m.copy_(_report_empty(m))
 
-    guarded = ch05.GuardedRun(
+    guarded = kernel_checks.GuardedRun(
         launch=launch,
         margins=(margin, margin, margin),
         # m and l share their strides (one launch argument set): the same margin for both
-        outputs=(ch05.Output("m", (1, 0, 0, 0), state_shape),
-                 ch05.Output("l", (1, 0, 0, 0), state_shape),
-                 ch05.Output("o", (1, 0, 0, 0, 0), part_shape)),
+        outputs=(kernel_checks.Output("m", (1, 0, 0, 0), state_shape),
+                 kernel_checks.Output("l", (1, 0, 0, 0), state_shape),
+                 kernel_checks.Output("o", (1, 0, 0, 0, 0), part_shape)),
         store_hint="mask the stores with offs_m < n_q (the padded query rows) and, for o, the "
                    "real head-dim columns",
         coverage_hint="each program stores its whole state — m, l and o of its (b, h, split) "
@@ -393,13 +395,13 @@ def check_split_kv_kernel(kernel):
     """Check exercise 8.4, the split kernel of flash-decoding (signature of
     :func:`course_lib.kernels.decoding.split_kv_kernel`); return the learner's kernel or, when it
     is not done yet, the library's."""
-    from course_lib.exercises import ch05
+    from course_lib import kernel_checks
     from course_lib.kernels import decoding as kernels_decoding
 
     def run(q, k, v, splits):
         return split_kernel_runner(kernel, splits)(q, k, v)
 
-    return ch05.check_kernel("Exercise 8.4", kernel, run, _checked_states,
+    return kernel_checks.check_kernel("Exercise 8.4", kernel, run, _checked_states,
                              _split_kernel_cases(runtime.current().device),
                              fallback=kernels_decoding.split_kv_kernel,
                              mistakes=SPLIT_KERNEL_MISTAKES)
@@ -441,3 +443,215 @@ for start_n in range(split_start, split_end, BLOCK_N):
     m_i, l_i, acc = ...                       # tiles.online_softmax_step
 o = ...                                       # acc / l_i, 0 for an empty chunk
 ...                                           # store m_i * LN_2, l_i and o for rows < n_q'''
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 8.5: combine_kernel, the S partial states of a query row -> (o, lse), in Triton
+# ----------------------------------------------------------------------------------------------
+
+# Margins of the guarded workspace and outputs: room past the last split (a load of the padded
+# split lanes s >= n_splits without a mask reads NaN there), a gap after each row.
+COMBINE_SPLIT_MARGIN = 8
+COMBINE_COL_MARGIN = 8
+# The synthetic states: m spread over a few units (so that exp(m_s − m) matters), l in
+# [1, 1 + COMBINE_MAX_EXTRA_L] (a non-empty chunk's l is at least 1: its max term is exp(0)).
+COMBINE_M_SPREAD = 3.0
+COMBINE_MAX_EXTRA_L = 20.0
+
+
+def merged_output(m, l, o, out_dtype, *, first_m=False, rescale=True, weigh_o=True,
+                  divide_by="weights", lse_with_m=True, lse_units=1.0):
+    """float64 model of the combine kernel: ``(out, lse)`` from the workspace, and its mistakes.
+
+    The defaults are the right kernel; each keyword does one thing differently.
+
+    Args:
+        m, l: ``(B, H, S, n_q)`` (m natural-log, -inf for an empty split); o:
+            ``(B, H, S, n_q, d)``. out_dtype: the dtype of ``out``.
+        first_m: take m from split 0 instead of the max over the splits.
+        rescale: weights ``l_s · exp(m_s − m)`` (True) or plain ``l_s``.
+        weigh_o: weigh each ``o_s`` (True) or average them.
+        divide_by: "weights" (``Σ w_s``) or "splits" (S).
+        lse_with_m: ``lse = m + log Σ w_s`` (True) or ``log Σ w_s``.
+        lse_units: factor on the stored lse (``LOG2_E``: log2 units).
+
+    Returns:
+        ``(out, lse)``: ``(B, H, n_q, d)`` in ``out_dtype`` and ``(B, H, n_q)`` float32.
+    """
+    m64, l64, o64 = (x.double().cpu().numpy() for x in (m, l, o))
+    splits = m64.shape[2]
+    with np.errstate(invalid="ignore", over="ignore"):  # the NaN of first_m is the point
+        m_ref = m64[:, :, :1] if first_m else m64.max(axis=2, keepdims=True)  # (B, H, 1, n_q)
+        w = l64 * np.exp(m64 - m_ref) if rescale else l64  # (B, H, S, n_q)
+        w_sum = w.sum(axis=2)  # (B, H, n_q)
+        if weigh_o:
+            total = (w[..., None] * o64).sum(axis=2)  # (B, H, n_q, d)
+            out = total / (w_sum[..., None] if divide_by == "weights" else splits)
+        else:
+            out = o64.mean(axis=2)
+        lse = (m_ref[:, :, 0] if lse_with_m else 0.0) + np.log(w_sum)
+    return (torch.from_numpy(out).to(device=m.device, dtype=out_dtype),
+            torch.from_numpy(lse * lse_units).to(device=m.device, dtype=torch.float32))
+
+
+def combine_reference(m, l, o, out_dtype):
+    """``(out, lse)`` of the workspace by chapter 03's merge, float64
+    (:func:`course_lib.decoding.merge_splits` over the split axis)."""
+    from course_lib.tiled import state_lse
+
+    split_first = [np.moveaxis(x.double().cpu().numpy(), 2, 0) for x in (m, l, o)]  # (S, B, H, ...)
+    m_all, l_all, out = decoding.merge_splits(*split_first)
+    return (torch.from_numpy(out).to(device=m.device, dtype=out_dtype),
+            torch.from_numpy(state_lse(m_all, l_all)).to(device=m.device, dtype=torch.float32))
+
+
+def _merge_mistake(**wrong):
+    def mistaken(m, l, o, out_dtype):
+        return merged_output(m, l, o, out_dtype, **wrong)
+    return mistaken
+
+
+COMBINE_KERNEL_MISTAKES = {
+    "the weights are the plain l_s: each l_s is a sum relative to its own split's max m_s, so "
+    "bring it to the common max first, w_s = l_s · exp(m_s − m) with m = max_s m_s":
+        _merge_mistake(rescale=False),
+    "the o_s are averaged: each split counts in proportion to its share of the softmax sum, "
+    "o = Σ w_s o_s / Σ w_s with w_s = l_s · exp(m_s − m)": _merge_mistake(weigh_o=False),
+    "lse is log Σ w_s without the max: the weights are relative to m, so lse = m + log Σ w_s":
+        _merge_mistake(lse_with_m=False),
+    "m is split 0's m instead of the max over the splits: when split 0 is empty (m_0 = -inf, "
+    "l_0 = 0), exp(m_0 − m_0) = exp(-inf + inf) is NaN and the other splits' exp(m_s − m_0) "
+    "overflow — take m = tl.max(m_s, axis=0) over all splits (the real ones are never all "
+    "empty)": _merge_mistake(first_m=True),
+    "Σ w_s o_s is divided by the number of splits: divide by the total weight Σ w_s (the o_s "
+    "are normalised per split, the weights are not)": _merge_mistake(divide_by="splits"),
+    "lse is stored in log2 units (m · LOG2_E + log2 Σ w_s): the output lse is natural-log, "
+    "lse = m + log Σ w_s (multiply a log2 value by LN_2)":
+        _merge_mistake(lse_units=constants.LOG2_E),
+}
+
+
+def _combine_kernel_cases(device: str) -> list[Case]:
+    gen = torch.Generator().manual_seed(8_5)
+    # (B, H, n_q, d, S, empty split or None, out dtype): no split; split 0 empty (as when a
+    # sliding window masks the oldest chunk); 7 splits (BLOCK_S = 8: one padded lane); fp16.
+    specs = [(1, 2, 1, 16, 1, None, torch.float32), (2, 1, 3, 32, 3, 0, torch.float32),
+             (1, 2, 3, 16, 7, None, torch.float32), (1, 2, 1, 32, 3, 2, torch.float16)]
+    cases = []
+    for b, h, n_q, d, splits, empty, out_dtype in specs:
+        m = COMBINE_M_SPREAD * torch.randn(b, h, splits, n_q, generator=gen)
+        l = 1 + COMBINE_MAX_EXTRA_L * torch.rand(b, h, splits, n_q, generator=gen)
+        o = torch.randn(b, h, splits, n_q, d, generator=gen)
+        if empty is not None:  # the empty state of chapter 03
+            m[:, :, empty], l[:, :, empty], o[:, :, empty] = -torch.inf, 0.0, 0.0
+        name = str(out_dtype).replace("torch.", "")
+        label = (f"B={b}, H={h}, n_q={n_q}, d={d}, S={splits}"
+                 + (f", split {empty} empty (m = -inf, l = 0)" if empty is not None else "")
+                 + f", out {name}; outputs (out [b, h, row, col], lse [b, h, row])")
+        cases.append(Case(tuple(x.to(device) for x in (m, l, o)), {"out_dtype": out_dtype},
+                          label=label))
+    return cases
+
+
+def _restore_empty(m: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_report_empty`: the stand-in back to -inf."""
+    return m.masked_fill(m == EMPTY_CHUNK_M_REPORTED, -torch.inf)
+
+
+def combine_kernel_runner(kernel, out_dtype):
+    """A guarded run of a combine kernel: ``run(m, l, o) -> (out in out_dtype, lse)``.
+
+    The guarded run diagnoses NaN only when every input is finite, so an empty split's m = -inf
+    travels to it as :data:`EMPTY_CHUNK_M_REPORTED` and is put back to -inf just for the launch.
+    """
+    from course_lib import kernel_checks
+    from course_lib.kernels import decoding as kernels_decoding
+
+    def out_shape(m, l, o):
+        return tuple(o.shape[:2]) + tuple(o.shape[3:]), out_dtype
+
+    def lse_shape(m, l, o):
+        return (m.shape[0], m.shape[1], m.shape[3]), torch.float32
+
+    def launch(m, l, o, out, lse):
+        empty = m == EMPTY_CHUNK_M_REPORTED
+        m.masked_fill_(empty, -torch.inf)
+        try:
+            kernels_decoding.launch_combine(m, l, o, out, lse, kernel=kernel)
+        finally:
+            m.masked_fill_(empty, EMPTY_CHUNK_M_REPORTED)
+
+    def explain_nonfinite(inputs, outputs):
+        m, l, o = inputs
+        m = _restore_empty(m)
+        atol, rtol = checks.TOLERANCES[str(out_dtype).replace("torch.", "")]
+        for cause, wrong in COMBINE_KERNEL_MISTAKES.items():  # NaN where the mistake has NaN
+            if checks.compare(tuple(outputs), wrong(m, l, o, out_dtype), atol, rtol,
+                              equal_nan=True) is None:
+                return cause
+        return None
+
+    state_margin = (1, 0, COMBINE_SPLIT_MARGIN, 1)
+    guarded = kernel_checks.GuardedRun(
+        launch=launch,
+        margins=(state_margin, state_margin, (1, 0, COMBINE_SPLIT_MARGIN, 1, COMBINE_COL_MARGIN)),
+        outputs=(kernel_checks.Output("out", (1, 0, 1, COMBINE_COL_MARGIN), out_shape),
+                 kernel_checks.Output("lse", (1, 0, 1), lse_shape)),
+        store_hint="store one row: out at b * stride_ob + h * stride_oh + row * stride_om + "
+                   "offs_d * stride_od masked with offs_d < HEAD_DIM_REAL, and one lse",
+        coverage_hint="program (row, h, b) = (tl.program_id(0), tl.program_id(1), "
+                      "tl.program_id(2)) stores its row of out and its lse",
+        load_hint="a load reads past the last split: BLOCK_S is S rounded up to a power of two, "
+                  "so mask the loads with offs_s < n_splits — m with other=-inf (MASK_VALUE), "
+                  "l and o with other=0.0 — so that the padded lanes weigh 0",
+        explain_nonfinite=explain_nonfinite)
+
+    def run(m, l, o):
+        return guarded(_report_empty(m), l, o)
+    return run
+
+
+def check_combine_kernel(kernel):
+    """Check exercise 8.5, the combine kernel of flash-decoding (signature of
+    :func:`course_lib.kernels.decoding.combine_kernel`); return the learner's kernel or, when it
+    is not done yet, the library's."""
+    from course_lib import kernel_checks
+    from course_lib.kernels import decoding as kernels_decoding
+
+    def run(m, l, o, out_dtype):
+        return combine_kernel_runner(kernel, out_dtype)(m, l, o)
+
+    return kernel_checks.check_kernel("Exercise 8.5", kernel, run, combine_reference,
+                             _combine_kernel_cases(runtime.current().device),
+                             fallback=kernels_decoding.combine_kernel,
+                             mistakes=COMBINE_KERNEL_MISTAKES)
+
+
+COMBINE_KERNEL_HINTS = [
+    "Who you are: <code>row, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)</code>. "
+    "Your row's S states sit at <code>b * stride_mb + h * stride_mh + offs_s * stride_ms + row * "
+    "stride_mm</code> with <code>offs_s = tl.arange(0, BLOCK_S)</code>.",
+    "BLOCK_S is S rounded up to a power of two: load with the mask <code>offs_s &lt; "
+    "n_splits</code>, m with <code>other=MASK_VALUE</code> and l with <code>other=0.0</code>, so "
+    "that a padded lane has weight 0. o is a <code>(BLOCK_S, HEAD_DIM)</code> tile: "
+    "<code>offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd</code>.",
+    "Exercise 8.2 on registers: <code>m_max = tl.max(m, axis=0)</code>, <code>w = l * tl.exp(m - "
+    "m_max)</code> (an empty split: l = 0, exp(-inf) = 0, so w = 0), <code>out = tl.sum(w[:, None] "
+    "* o, axis=0) / tl.sum(w, axis=0)</code>.",
+    "Store <code>out.to(Out.dtype.element_ty)</code> masked with <code>offs_d &lt; "
+    "HEAD_DIM_REAL</code>, and <code>lse = m_max + tl.log(tl.sum(w, axis=0))</code> — natural "
+    "log, with the max added back.",
+]
+
+COMBINE_KERNEL_SKELETON = '''\
+row, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
+s_mask, d_mask = offs_s < n_splits, offs_d < HEAD_DIM_REAL
+m = ...                                       # (BLOCK_S,) MASK_VALUE in the padded lanes
+l = ...                                       # (BLOCK_S,) 0 in the padded lanes
+o = ...                                       # (BLOCK_S, HEAD_DIM) the normalised o_s
+m_max = ...                                   # the max over the splits
+w = ...                                       # (BLOCK_S,) l_s · exp(m_s − m_max)
+out = ...                                     # (HEAD_DIM,) Σ w_s o_s / Σ w_s
+...                                           # store out in Out's dtype, masked with d_mask
+...                                           # store lse = m_max + log Σ w_s'''

@@ -260,12 +260,20 @@ def combine_kernel(M, L, O_part, Out, Lse,
     tl.store(Lse + b * stride_lb + h * stride_lh + row * stride_lm, m_max + tl.log(l_sum))
 
 
-def launch_combine(m, l, o_part, out, lse) -> None:
+def launch_combine(m, l, o_part, out, lse, kernel=None) -> None:
     """Merge the workspace ``(m, l, o_part)`` into ``out`` ``(B, H, n_q, d)`` and ``lse``
-    ``(B, H, n_q)`` float32 with :func:`combine_kernel`."""
+    ``(B, H, n_q)`` float32 on grid ``(n_q, H, B)``.
+
+    Args:
+        m, l: ``(B, H, S, n_q)`` float32 with the same strides; o_part: ``(B, H, S, n_q, d)``
+            float32. out: ``(B, H, n_q, d)`` (its dtype is the output's); lse: ``(B, H, n_q)``.
+        kernel: :func:`combine_kernel` (None) or a learner's with its signature (exercise 8.5).
+    """
     batch, heads, splits, n_q = m.shape
     d = out.shape[-1]
-    combine_kernel[(n_q, heads, batch)](
+    if l.stride() != m.stride():
+        raise ValueError(f"m and l must have the same strides, got {m.stride()} and {l.stride()}")
+    (kernel or combine_kernel)[(n_q, heads, batch)](
         m, l, o_part, out, lse, *m.stride(), *o_part.stride(), *out.stride(), *lse.stride(),
         splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=padded_head_dim(d),
         HEAD_DIM_REAL=d)
