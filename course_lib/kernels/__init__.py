@@ -1,4 +1,4 @@
-"""The Triton FlashAttention kernels (chapters 06 and 07) and their autograd API.
+"""The Triton FlashAttention kernels (chapters 06 to 09) and their autograd API.
 
 Modules, in the order the chapters teach them:
 
@@ -13,6 +13,9 @@ Modules, in the order the chapters teach them:
   tiles, online softmax in registers) and :func:`~course_lib.kernels.forward.attention_forward`.
 - :mod:`course_lib.kernels.backward` the backward kernels (delta = rowsum(dO∘O), the paper's D;
   dK/dV; dQ) and :func:`~course_lib.kernels.backward.attention_backward`.
+- :mod:`course_lib.kernels.hopper`   chapter 09: the forward with tensor-descriptor (TMA) loads,
+  used by the library on Hopper at head dim 128, and the FP8 (e4m3) forward.
+- :mod:`course_lib.kernels.decoding` chapter 08: split-KV flash-decoding with GQA/MQA.
 - :mod:`course_lib.kernels.api`      input checks, the ``torch.autograd.Function`` and the public
   :func:`~course_lib.kernels.api.flash_attention`.
 

@@ -160,6 +160,29 @@ def scores_log2(a, b, qk_scale_log2, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.
 
 
 @triton.jit
+def softmax_update(s, m_i, l_i):
+    """The first half of an online-softmax step: new max, probabilities, correction factor, sum.
+
+    s: ``(BLOCK_M, BLOCK_N)`` scores in log2 units (MASK_VALUE where masked); m_i, l_i:
+    ``(BLOCK_M,)``. Returns ``(m_new, p, alpha, l_i)``: ``p = exp2(s - m_new)`` and
+    ``alpha = exp2(m_i - m_new)``, how much the old state shrinks.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+    p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+    alpha = tl.math.exp2(m_i - m_new)  # (BLOCK_M,)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, p, alpha, l_i
+
+
+@triton.jit
+def accumulate(acc, alpha, p, v, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The second half: ``acc · alpha + p · v`` with p cast to v's dtype for the tensor cores.
+    acc ``(BLOCK_M, HEAD_DIM)``, p ``(BLOCK_M, BLOCK_N)``, v ``(BLOCK_N, HEAD_DIM)``."""
+    acc = acc * alpha[:, None]
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc, v_ptrs, v_mask,
                         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores ``s`` (log2 units, MASK_VALUE where masked) into the state.
@@ -168,11 +191,7 @@ def online_softmax_step(s, m_i, l_i, acc, v_ptrs, v_mask,
     is loaded from ``v_ptrs`` (``v_mask``) after the exponentials, so that its load overlaps
     them. Returns the new ``(m_i, l_i, acc)``.
     """
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-    p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
-    alpha = tl.math.exp2(m_i - m_new)  # (BLOCK_M,) how much the old state shrinks
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, p, alpha, l_i = softmax_update(s, m_i, l_i)
     v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    acc = accumulate(acc, alpha, p, v, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
     return m_new, l_i, acc

@@ -86,6 +86,27 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
     return Blocks(32, 128, 4, 3) if kernel == "dkdv" else Blocks(128, 32, 4, 3)
 
 
+# The descriptor (TMA) forward of chapter 09 on Hopper: where it pays and with which config.
+# Measured on an H100 (NOTES.md, "Chapter 09"): at HEAD_DIM=128 it is 4-15% faster than the
+# pointer kernel (TMA frees the registers that made 128x128 tiles lose with pointer loads); at
+# HEAD_DIM=64 it is within noise, so the pointer kernel stays.
+TMA_HEAD_DIMS = (128,)
+# Set COURSE_LIB_TMA=0 to keep the pointer kernel on Hopper too.
+TMA_ENV = "COURSE_LIB_TMA"
+
+
+def tma_enabled() -> bool:
+    return os.environ.get(TMA_ENV, "1") != "0"
+
+
+def hopper_forward(seq_len: int, causal: bool) -> Blocks:
+    """The TMA forward's config at HEAD_DIM=128: 64x64 tiles on 4 warps for short or causal up to
+    4k sequences (more programs, less time in the diagonal band), 128x128 on 8 warps otherwise."""
+    if seq_len <= SHORT_CAUSAL_SEQ_LEN or (causal and seq_len <= 4 * SHORT_CAUSAL_SEQ_LEN):
+        return Blocks(64, 64, 4, 3)
+    return Blocks(128, 128, 8, 3)
+
+
 # GPU candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 _FORWARD_CANDIDATES = [
     (128, 64, 4, 3),

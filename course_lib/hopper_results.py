@@ -1,0 +1,164 @@
+"""Chapter 09's recorded H100 measurements: the ablation of FlashAttention-3 ideas, FP8's speed
+and accuracy, and where the course's kernel stands against FlashAttention-2 and cuDNN.
+
+The numbers come from ``python tools/fa3_ablation.py`` on an H100 (provenance in the file's
+``meta``: GPU, driver, torch, triton, date) and live in
+``course_lib/data/benchmarks/h100_fa3.json``. This module only reads and formats them, so the
+notebook shows the same tables on a CPU machine; on a GPU the notebook can re-measure one cell.
+
+Row format (``data["rows"]``): ``variant`` (``course``: chapter 06's pointer-load kernel at its
+measured config; ``tma``: the descriptor kernel; ``tma_ws``: with warp specialization;
+``tma_one_stage``: every tile through the masked loop; ``fp8``: the FP8 kernel on already
+quantized inputs; ``fp8_e2e``: quantization and rotation included; ``sdpa_flash``,
+``sdpa_cudnn``), ``config`` ``[BLOCK_M, BLOCK_N, num_warps, num_stages]``, ``dtype``, ``d``,
+``N``, ``causal``, forward ``tflops`` (FLOPs as in :mod:`course_lib.bench`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from course_lib.bench import RECORDED_DIR
+
+RECORDED_FILE = RECORDED_DIR / "h100_fa3.json"
+
+# The ablation's steps: (label, variant, config or None for "best of the variant"). Each adds one
+# idea to the one before, at the cell's dtype/d/N; the last two are the yardsticks.
+POINTER_CONFIG = (128, 64, 8, 3)  # chapter 06's measured config at d=128 (tuning.gpu_default)
+TMA_WIDE_CONFIG = (128, 128, 8, 3)
+ABLATION_STEPS = (
+    ("ch06 kernel: pointer loads, 128x64 tiles", "course", None),
+    ("+ TMA descriptor loads (same tiles)", "tma", POINTER_CONFIG),
+    ("+ 128x128 tiles (registers freed by TMA)", "tma", TMA_WIDE_CONFIG),
+    ("+ warp specialization (tl.range)", "tma_ws", TMA_WIDE_CONFIG),
+)
+DEEPER_PIPELINE = ((128, 64, 8, 3), (128, 64, 8, 4))  # num_stages 3 -> 4, same tiles
+BASELINES = (("FlashAttention-2", "sdpa_flash"), ("cuDNN", "sdpa_cudnn"))
+
+
+def load(path: Path | str = RECORDED_FILE) -> dict:
+    """The recorded measurements. Raises FileNotFoundError naming ``path`` if missing."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no recorded chapter 09 results at {path}; run tools/fa3_ablation.py on a Hopper GPU")
+    return json.loads(path.read_text())
+
+
+def provenance(data: dict) -> str:
+    m = data["meta"]
+    return f"{m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
+
+
+def tflops(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool, config=None) -> float | None:
+    """The recorded TFLOP/s of ``variant`` on one cell: at ``config``, or the best over configs."""
+    found = [r["tflops"] for r in data["rows"]
+             if r["variant"] == variant and r["dtype"] == dtype and r["d"] == d and r["N"] == n
+             and r["causal"] == causal and (config is None or tuple(r["config"] or ()) == tuple(config))]
+    return max(found) if found else None
+
+
+def best_config(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool):
+    rows = [r for r in data["rows"] if r["variant"] == variant and r["dtype"] == dtype and r["d"] == d
+            and r["N"] == n and r["causal"] == causal]
+    return tuple(max(rows, key=lambda r: r["tflops"])["config"]) if rows else None
+
+
+def ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 16384) -> list[dict]:
+    """One row per step of :data:`ABLATION_STEPS`, then FP8 and the baselines:
+    ``{"step", "non-causal", "causal"}`` in TFLOP/s (None where not measured)."""
+    rows = [{"step": label, **{name: tflops(data, variant, dtype, d, n, causal, config)
+                               for name, causal in (("non-causal", False), ("causal", True))}}
+            for label, variant, config in ABLATION_STEPS]
+    rows.append({"step": "FP8 e4m3 q, k, v, P (best config)",
+                 **{name: tflops(data, "fp8", dtype, d, n, causal) for name, causal in (("non-causal", False), ("causal", True))}})
+    for label, impl in BASELINES:
+        rows.append({"step": label, **{name: tflops(data, impl, dtype, d, n, causal)
+                                       for name, causal in (("non-causal", False), ("causal", True))}})
+    return rows
+
+
+def format_ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 16384) -> str:
+    """The ablation as a text table: TFLOP/s and the gain of each step over the one before."""
+    rows = ablation(data, dtype, d, n)
+    lines = [f"forward, {dtype}, d={d}, N={n} (TFLOP/s; gain over the row above)",
+             f"{'step':<44} {'non-causal':>16} {'causal':>16}"]
+    prev = {}
+    for i, row in enumerate(rows):
+        cells = []
+        for key in ("non-causal", "causal"):
+            t = row[key]
+            gain = f"({t / prev[key]:.2f}x)" if t and prev.get(key) and i < len(ABLATION_STEPS) else ""
+            cells.append(f"{t:7.1f} {gain:>8}" if t else f"{'-':>7} {'':>8}")
+            if i < len(ABLATION_STEPS):
+                prev[key] = t
+        lines.append(f"{row['step']:<44} {cells[0]:>16} {cells[1]:>16}")
+    return "\n".join(lines)
+
+
+def two_stage_gain(data: dict, config=TMA_WIDE_CONFIG) -> list[tuple]:
+    """``(dtype, d, N, one-stage TFLOP/s, two-stage TFLOP/s)`` for every causal cell measured."""
+    out = []
+    for r in data["rows"]:
+        if r["variant"] == "tma_one_stage" and tuple(r["config"]) == tuple(config):
+            two = tflops(data, "tma", r["dtype"], r["d"], r["N"], True, config)
+            out.append((r["dtype"], r["d"], r["N"], r["tflops"], two))
+    return out
+
+
+def pipeline_depth(data: dict) -> list[tuple]:
+    """``(dtype, d, N, causal, stages-3 TFLOP/s, stages-4 TFLOP/s)`` for every cell."""
+    three, four = DEEPER_PIPELINE
+    out = []
+    for r in data["rows"]:
+        if r["variant"] == "tma" and tuple(r["config"]) == three:
+            out.append((r["dtype"], r["d"], r["N"], r["causal"], r["tflops"],
+                        tflops(data, "tma", r["dtype"], r["d"], r["N"], r["causal"], four)))
+    return out
+
+
+def cells(data: dict, variant: str = "sdpa_cudnn") -> list[tuple]:
+    """Every (dtype, d, N, causal) cell where ``variant`` was measured, in the file's order."""
+    seen = []
+    for r in data["rows"]:
+        key = (r["dtype"], r["d"], r["N"], r["causal"])
+        if r["variant"] == variant and key not in seen:
+            seen.append(key)
+    return seen
+
+
+def ratio_summary(data: dict, variant: str, baseline: str, head_dims=None) -> dict:
+    """Median and minimum of ``variant`` (best config) ÷ ``baseline`` over the measured cells."""
+    ratios = [tflops(data, variant, *c) / tflops(data, baseline, *c) for c in cells(data, baseline)
+              if (head_dims is None or c[1] in head_dims) and tflops(data, variant, *c)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "n": len(ratios)}
+
+
+def fp8_speedup(data: dict, d: int = 128, min_n: int = 4096) -> list[tuple]:
+    """``(N, causal, fp16 TMA best, fp8 best, fp8 / fp16)`` at head dim ``d``, N >= ``min_n``."""
+    out = []
+    for dtype, dd, n, causal in cells(data, "fp8"):
+        if dd == d and n >= min_n:
+            f16, f8 = tflops(data, "tma", dtype, d, n, causal), tflops(data, "fp8", dtype, d, n, causal)
+            out.append((n, causal, f16, f8, f8 / f16))
+    return out
+
+
+def plot_ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 16384):
+    """A bar chart of :func:`ablation`: one group per step, non-causal and causal bars."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [r for r in ablation(data, dtype, d, n)]
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
+    y = np.arange(len(rows))
+    for offset, key in ((-0.2, "non-causal"), (0.2, "causal")):
+        ax.barh(y + offset, [r[key] or 0 for r in rows], height=0.4, label=key)
+    ax.set_yticks(y, [r["step"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("forward TFLOP/s")
+    ax.set_title(f"FlashAttention-3 ideas, one at a time ({dtype}, d={d}, N={n}, H100)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,275 @@
+"""FlashAttention-3 ideas on Hopper, in Triton (chapter 09).
+
+This is chapter 06's forward kernel (:mod:`course_lib.kernels.forward`) with the K/V tiles
+brought in by **tensor descriptors** instead of pointer arithmetic:
+
+    desc_k = TensorDescriptor(k, shape=[B, H, N_k, d], strides=k.stride(), block_shape=[1, 1, BLOCK_N, HEAD_DIM])
+    k = desc_k.load([b, h, start_n, 0])        # one (BLOCK_N, HEAD_DIM) tile
+
+On Hopper (sm_90) Triton lowers a descriptor load to the **Tensor Memory Accelerator** (TMA): one
+thread hands the copy engine a tile's coordinates, the tile lands in shared memory
+asynchronously, and the warps that would have computed addresses and issued loads compute
+instead. The descriptor knows the tensor's shape, so rows past ``N`` and head-dim columns past
+``d`` read as zeros and a store clips them: no masks for the ragged end or the padded head dim.
+
+Knobs the chapter's ablation turns one at a time (all constexpr, all in this one kernel):
+
+- ``TWO_STAGE``: the off-band loop without masks, then the on-band (diagonal / ragged) loop with
+  them (chapter 06's split), or one masked loop over every tile;
+- ``WARP_SPECIALIZE``: ask Triton to split the K/V loop into a producer warp that issues the
+  TMA copies and consumer warps that do the matmuls and softmax (``tl.range(...,
+  warp_specialize=True)``), FA3's producer/consumer split;
+- the launch's ``num_stages``: how many K/V tiles are in flight (software pipelining depth);
+- ``FP8``: q, k, v in e4m3 (``torch.float8_e4m3fn``) with per-(batch, head) scales, V stored
+  transposed (Hopper's fp8 tensor-core instruction wants both operands K-major), P cast to e4m3
+  for the second matmul, as FA3 does. The host side (:func:`fp8_attention_forward`) quantizes,
+  after an optional random Hadamard rotation of q and k (:mod:`course_lib.fp8`).
+
+The interpreter runs all of it on CPU (descriptors and fp8 dots included), so the tests check the
+same kernel there; the speed only exists on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from course_lib import runtime
+from course_lib.kernels import tiles, tuning
+from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
+from course_lib.kernels.tiles import LN_2, MASK_VALUE
+
+_rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
+
+# TMA's rules for a tensor it copies from (CUDA driver API, cuTensorMapEncodeTiled): the base
+# address and every stride but the last are multiples of 16 bytes, and the last stride is 1.
+TMA_ALIGN_BYTES = 16
+
+
+@triton.jit
+def _tma_kv_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h, offs_m, n_k, kv_start, kv_end, qk_scale_log2,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                  V_TRANSPOSED: tl.constexpr):
+    """Fold key/value tiles [kv_start, kv_end) into (m_i, l_i, acc), loading them by descriptor."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)  # rows >= n_k read as 0
+        s = tiles.scores_log2(q, k, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        if MASKED:  # (BLOCK_M, BLOCK_N): zero-filled keys past n_k and keys right of the diagonal
+            s = tl.where(tiles.visible(offs_m, start_n + offs_n, n_k, CAUSAL=CAUSAL), s, MASK_VALUE)
+        m_new, p, alpha, l_i = tiles.softmax_update(s, m_i, l_i)
+        if V_TRANSPOSED:  # V stored (B, H, d, N): load (HEAD_DIM, BLOCK_N), use its transpose
+            v = tl.trans(desc_v.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N))
+        else:
+            v = desc_v.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tiles.accumulate(acc, alpha, p, v, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_forward_tma_kernel(
+        desc_q, desc_k, desc_v, desc_o, LSE,  # descriptors of (B, H, N, d) tensors; LSE (B, H, N_q)
+        QK_SCALE, V_SCALE,  # (B·H,) float32 dequantization scales (FP8 only; unused otherwise)
+        n_heads, n_q, n_k, qk_scale_log2,
+        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO_STAGE: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program: one BLOCK_M tile of queries of one (batch, head); grid as chapter 06's kernel."""
+    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
+    q = desc_q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)  # rows >= n_q, cols >= d: 0
+    if FP8:  # scores of e4m3 q and k, times their scales: the dequantization folds into one multiply
+        qk_scale_log2 = qk_scale_log2 * tl.load(QK_SCALE + pid_bh)
+
+    m_i = tl.full([BLOCK_M], MASK_VALUE, dtype=ACC_DTYPE)  # running max
+    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)  # running sum of exponentials
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)  # running sum of exponentials · v
+
+    full_end, kv_end = tiles.kv_split(start_m, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+    if not TWO_STAGE:  # one loop, every tile masked (the ablation's "before")
+        full_end = 0
+    acc, l_i, m_i = _tma_kv_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h, offs_m, n_k, 0, full_end,
+                                  qk_scale_log2, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
+                                  WARP_SPECIALIZE=WARP_SPECIALIZE, V_TRANSPOSED=FP8)
+    acc, l_i, m_i = _tma_kv_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h, offs_m, n_k, full_end, kv_end,
+                                  qk_scale_log2, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
+                                  WARP_SPECIALIZE=WARP_SPECIALIZE, V_TRANSPOSED=FP8)
+
+    o = acc / l_i[:, None]  # (BLOCK_M, HEAD_DIM)
+    if FP8:
+        o = o * tl.load(V_SCALE + pid_bh)
+    lse = (m_i + tl.math.log2(l_i)) * LN_2  # (BLOCK_M,) natural-log log-sum-exp
+    desc_o.store([b, h, start_m, 0], o.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))  # clipped
+    tl.store(LSE + pid_bh * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+
+
+def tma_unsupported_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the descriptor kernel cannot take these ``(B, H, N, d)`` tensors, or None if it can.
+
+    Needs: the interpreter or a GPU of compute capability >= 9 (Hopper); last stride 1; base
+    address and other strides multiples of 16 bytes (TMA's rules).
+    """
+    for x in tensors:
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+            return "tensor descriptors (TMA) need a Hopper GPU (compute capability 9.0) or newer"
+        if x.device.type != "cuda" and not _rt.interpreted:
+            return "a CPU tensor needs the Triton interpreter (runtime.setup() on a CPU machine)"
+        if x.stride(-1) != 1:
+            return "the head dim must be contiguous (last stride 1)"
+        size = x.element_size()
+        if x.data_ptr() % TMA_ALIGN_BYTES or any((s * size) % TMA_ALIGN_BYTES for s in x.stride()[:-1]):
+            return f"base address and strides must be multiples of {TMA_ALIGN_BYTES} bytes"
+    return None
+
+
+def library_uses_tma(q, k, v) -> bool:
+    """Whether :func:`course_lib.flash_attention` takes the descriptor kernel for these inputs:
+    on a Hopper GPU (compute capability 9.x; newer chips are untested and keep the pointer kernel),
+    fp16/bf16, padded head dim in :data:`~course_lib.kernels.tuning.TMA_HEAD_DIMS`, descriptor
+    rules met, no autotuning asked for, and ``COURSE_LIB_TMA`` not set to 0."""
+    if _rt.interpreted or q.device.type != "cuda" or not tuning.tma_enabled() or tuning.autotune_enabled():
+        return False
+    return (torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
+            and padded_head_dim(q.shape[-1]) in tuning.TMA_HEAD_DIMS and tma_unsupported_reason(q, k, v) is None)
+
+
+def _descriptor(x: torch.Tensor, block_rows: int, head_dim: int, transposed: bool = False):
+    """A host-side descriptor of the ``(B, H, N, d)`` tensor ``x`` (``(B, H, d, N)`` when
+    ``transposed``) whose block is one tile: ``[1, 1, block_rows, head_dim]`` (or its transpose)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block = [1, 1, head_dim, block_rows] if transposed else [1, 1, block_rows, head_dim]
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=block)
+
+
+def default_blocks(head_dim: int, element_size: int, seq_len: int, causal: bool) -> tuning.Blocks:
+    """The launch config: the interpreter's; on the GPU the measured TMA table at HEAD_DIM=128
+    (fp16/bf16), chapter 06's table otherwise."""
+    if _rt.interpreted:
+        return tuning.INTERPRETER_FORWARD
+    if head_dim in tuning.TMA_HEAD_DIMS and element_size <= 2:
+        return tuning.hopper_forward(seq_len, causal)
+    return tuning.gpu_default("forward", head_dim, max(element_size, 2), seq_len=seq_len, causal=causal)
+
+
+def _launch(q, k, v, o, lse, qk_scale, v_scale, causal, qk_scale_log2, acc_dtype, precision, blocks,
+            two_stage, warp_specialize, fp8):
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]  # fp8: k8 is not padded; the transposed V may be (its extra keys are masked)
+    head_dim = padded_head_dim(q.shape[-1])
+    grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
+    attention_forward_tma_kernel[grid](
+        _descriptor(q, blocks.block_m, head_dim), _descriptor(k, blocks.block_n, head_dim),
+        _descriptor(v, blocks.block_n, head_dim, transposed=fp8), _descriptor(o, blocks.block_m, head_dim),
+        lse, qk_scale, v_scale, heads, n_q, n_k, qk_scale_log2,
+        HEAD_DIM=head_dim, CAUSAL=bool(causal), ACC_DTYPE=acc_dtype, DOT_PRECISION=precision,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, TWO_STAGE=two_stage, WARP_SPECIALIZE=warp_specialize,
+        FP8=fp8, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def attention_forward_tma(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None,
+                          two_stage: bool = True, warp_specialize: bool = False):
+    """Chapter 06's forward with descriptor (TMA) loads; same contract as
+    :func:`course_lib.kernels.forward.attention_forward`.
+
+    Args:
+        q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``; strides as :func:`tma_unsupported_reason` allows.
+        causal, scale: as the library forward. blocks: launch config (None: :func:`default_blocks`).
+        two_stage: unmasked off-band loop, then masked on-band loop (False: every tile masked).
+        warp_specialize: producer/consumer warps for the K/V loop (GPU support varies by Triton
+            version and chip; the interpreter ignores it).
+
+    Returns:
+        ``(o, lse)`` as the library forward.
+
+    Raises:
+        ValueError naming the tensor if it breaks the descriptor rules.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        why = tma_unsupported_reason(x)
+        if why:
+            raise ValueError(f"attention_forward_tma: {name} cannot be read by a tensor descriptor: {why}")
+    work = compute_dtype(q.dtype, _rt.interpreted)
+    qw, kw, vw = (x.to(work) for x in (q, k, v))
+    batch, heads, n_q, d = q.shape
+    o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
+    acc_dtype, precision = kernel_dtypes(work)
+    lse = torch.empty((batch, heads, n_q), device=q.device,
+                      dtype=torch.float64 if work == torch.float64 else torch.float32)
+    if blocks is None:
+        blocks = default_blocks(padded_head_dim(d), qw.element_size(), max(n_q, k.shape[2]), causal)
+    _launch(qw, kw, vw, o, lse, lse, lse, causal, scale * LOG2_E_FLOAT, acc_dtype, precision, blocks,
+            two_stage, warp_specialize, fp8=False)
+    return o.to(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` ``(B, H, N, d)`` with N padded by zero rows to a multiple of ``multiple``."""
+    extra = -x.shape[2] % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def quantize_fp8(q, k, v, rotate: bool = True, seed: int = 0):
+    """q, k, v ``(B, H, N, d)`` -> e4m3 copies the FP8 kernel reads, and their scales.
+
+    q and k are rotated by the same random Hadamard matrix first when ``rotate`` (FA3's
+    "incoherent processing": ``(qR)(kR)ᵀ = qkᵀ``, outliers spread over the head dim). Each
+    (batch, head) gets one scale ``amax / E4M3_MAX``. V is stored transposed, ``(B, H, d, N_k)``,
+    with N_k padded to a multiple of 16 so that its rows meet TMA's 16-byte rule.
+
+    Returns ``(q8, k8, vt8, qk_scale, v_scale)``; the scales are ``(B·H,)`` float32.
+    """
+    from course_lib import fp8
+
+    if rotate:
+        r = fp8.random_rotation(q.shape[-1], seed).to(device=q.device, dtype=torch.float32)  # (d, d)
+        q, k = (x.float() @ r for x in (q, k))
+    (q8, sq), (k8, sk), (v8, sv) = (fp8.quantize_e4m3(x.float()) for x in (q, k, v))
+    vt8 = _pad_rows(v8.float(), TMA_ALIGN_BYTES).to(torch.float8_e4m3fn).transpose(2, 3).contiguous()
+    qk_scale = (sq * sk).reshape(-1).float().contiguous()
+    return q8.contiguous(), k8.contiguous(), vt8, qk_scale, sv.reshape(-1).float().contiguous()
+
+
+def fp8_attention_forward(q, k, v, causal: bool = False, scale: float | None = None, rotate: bool = True,
+                          seed: int = 0, blocks: tuning.Blocks | None = None, quantized=None):
+    """Attention with e4m3 q, k, v and P on the tensor cores; output in q's dtype.
+
+    Args:
+        q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``, fp16/bf16/fp32, d a multiple of 16.
+        causal, scale: as :func:`course_lib.flash_attention`. rotate, seed: see :func:`quantize_fp8`.
+        blocks: launch config (None: the fp16 table's). quantized: the output of
+            :func:`quantize_fp8` when the caller already has it (timing the kernel alone).
+
+    Returns:
+        ``(o, lse)`` as the library forward.
+    """
+    d = q.shape[-1]
+    if d % 16:
+        raise ValueError(f"fp8_attention_forward: the head dim d must be a multiple of 16, got q.shape={tuple(q.shape)}")
+    scale = d ** -0.5 if scale is None else scale
+    q8, k8, vt8, qk_scale, v_scale = quantized if quantized is not None else quantize_fp8(q, k, v, rotate, seed)
+    batch, heads, n_q, _ = q.shape
+    o = torch.empty((batch, heads, n_q, d), dtype=compute_dtype(q.dtype, _rt.interpreted), device=q.device)
+    lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+    if blocks is None:
+        blocks = default_blocks(padded_head_dim(d), 2, max(n_q, k.shape[2]), causal)
+    _launch(q8, k8, vt8, o, lse, qk_scale, v_scale, causal, scale * LOG2_E_FLOAT, tl.float32, "tf32", blocks,
+            True, False, fp8=True)
+    return o.to(q.dtype), lse
+
+
+__all__ = ["attention_forward_tma", "fp8_attention_forward", "quantize_fp8", "tma_unsupported_reason",
+           "TMA_ALIGN_BYTES"]
