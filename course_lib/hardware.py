@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPU", "GPUS", "DEFAULT_GPU", "GB", "KIB", "TERA", "get_gpu", "gpu_names",
+__all__ = ["GPU", "GPUS", "DEFAULT_GPU", "H100_EXP_TFLOPS", "H100_FP8_TFLOPS", "GB", "KIB", "TERA", "get_gpu", "gpu_names",
            "balance_point", "normalize_dtype", "dtype_name"]
 
 GB = 10**9  # datasheet gigabyte (memory sizes and bandwidths)
@@ -118,6 +118,13 @@ class GPU:
 
 _A100_WHITEPAPER = "NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020), Table 1 and §'A100 SM'"
 _HOPPER_WHITEPAPER = "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), Table 3"
+
+# Hopper figures that are not in the GPU table (chapter 09). The FlashAttention-3 paper (Shah et
+# al., 2024, section 3.1) gives the H100 SXM5's special-function (exp) throughput as 3.9 TFLOP/s
+# against 989 TFLOP/s of FP16 matmul; the reading rounds it to "~4 TFLOPs". FP8 (e4m3/e5m2) dense
+# tensor-core peak: twice FP16, 1,979 TFLOP/s (the datasheet's 3,958 is "with sparsity").
+H100_EXP_TFLOPS = 3.9
+H100_FP8_TFLOPS = 1978.9
 
 GPUS: dict[str, GPU] = {
     gpu.name: gpu

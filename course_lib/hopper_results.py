@@ -51,11 +51,16 @@ def provenance(data: dict) -> str:
     return f"{m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
 
 
-def tflops(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool, config=None) -> float | None:
-    """The recorded TFLOP/s of ``variant`` on one cell: at ``config``, or the best over configs."""
+def tflops(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool, config=None,
+           run: int | None = 1) -> float | None:
+    """The recorded TFLOP/s of ``variant`` on one cell: at ``config``, or the best over configs.
+
+    ``run``: which run of the file (``data["runs"]`` says what each measured); None: any.
+    """
     found = [r["tflops"] for r in data["rows"]
              if r["variant"] == variant and r["dtype"] == dtype and r["d"] == d and r["N"] == n
-             and r["causal"] == causal and (config is None or tuple(r["config"] or ()) == tuple(config))]
+             and r["causal"] == causal and (config is None or tuple(r["config"] or ()) == tuple(config))
+             and (run is None or r.get("run", 1) == run)]
     return max(found) if found else None
 
 
@@ -72,7 +77,7 @@ def ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 16384) -
                                for name, causal in (("non-causal", False), ("causal", True))}}
             for label, variant, config in ABLATION_STEPS]
     rows.append({"step": "FP8 e4m3 q, k, v, P (best config)",
-                 **{name: tflops(data, "fp8", dtype, d, n, causal) for name, causal in (("non-causal", False), ("causal", True))}})
+                 **{name: tflops(data, "fp8", dtype, d, n, causal, run=None) for name, causal in (("non-causal", False), ("causal", True))}})
     for label, impl in BASELINES:
         rows.append({"step": label, **{name: tflops(data, impl, dtype, d, n, causal)
                                        for name, causal in (("non-causal", False), ("causal", True))}})
@@ -101,7 +106,7 @@ def two_stage_gain(data: dict, config=TMA_WIDE_CONFIG) -> list[tuple]:
     """``(dtype, d, N, one-stage TFLOP/s, two-stage TFLOP/s)`` for every causal cell measured."""
     out = []
     for r in data["rows"]:
-        if r["variant"] == "tma_one_stage" and tuple(r["config"]) == tuple(config):
+        if r["variant"] == "tma_one_stage" and tuple(r["config"]) == tuple(config) and r.get("run", 1) == 1:
             two = tflops(data, "tma", r["dtype"], r["d"], r["N"], True, config)
             out.append((r["dtype"], r["d"], r["N"], r["tflops"], two))
     return out
@@ -112,16 +117,18 @@ def pipeline_depth(data: dict) -> list[tuple]:
     three, four = DEEPER_PIPELINE
     out = []
     for r in data["rows"]:
-        if r["variant"] == "tma" and tuple(r["config"]) == three:
+        if r["variant"] == "tma" and tuple(r["config"]) == three and r.get("run", 1) == 1:
             out.append((r["dtype"], r["d"], r["N"], r["causal"], r["tflops"],
                         tflops(data, "tma", r["dtype"], r["d"], r["N"], r["causal"], four)))
     return out
 
 
-def cells(data: dict, variant: str = "sdpa_cudnn") -> list[tuple]:
+def cells(data: dict, variant: str = "sdpa_cudnn", run: int | None = 1) -> list[tuple]:
     """Every (dtype, d, N, causal) cell where ``variant`` was measured, in the file's order."""
     seen = []
     for r in data["rows"]:
+        if run is not None and r.get("run", 1) != run:
+            continue
         key = (r["dtype"], r["d"], r["N"], r["causal"])
         if r["variant"] == variant and key not in seen:
             seen.append(key)
@@ -136,11 +143,16 @@ def ratio_summary(data: dict, variant: str, baseline: str, head_dims=None) -> di
 
 
 def fp8_speedup(data: dict, d: int = 128, min_n: int = 4096) -> list[tuple]:
-    """``(N, causal, fp16 TMA best, fp8 best, fp8 / fp16)`` at head dim ``d``, N >= ``min_n``."""
+    """``(N, causal, fp16 best, fp8 best, fp8 / fp16)`` at head dim ``d``, N >= ``min_n``.
+
+    The fp16 side is the best descriptor-kernel config of either run (the conservative choice:
+    the higher fp16 figure), the FP8 side the best FP8 config.
+    """
     out = []
-    for dtype, dd, n, causal in cells(data, "fp8"):
+    for dtype, dd, n, causal in cells(data, "fp8", run=None):
         if dd == d and n >= min_n:
-            f16, f8 = tflops(data, "tma", dtype, d, n, causal), tflops(data, "fp8", dtype, d, n, causal)
+            f16 = tflops(data, "tma", dtype, d, n, causal, run=None)
+            f8 = tflops(data, "fp8", dtype, d, n, causal, run=None)
             out.append((n, causal, f16, f8, f8 / f16))
     return out
 
@@ -162,3 +174,45 @@ def plot_ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 163
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
+
+
+# The constexpr arguments at the end of each kernel's signature, in order (the cache key lists
+# them last): chapter 06's pointer kernel and the descriptor kernel.
+_TRAILING_CONSTEXPRS = {
+    "pointer": ("HEAD_DIM_REAL", "HEAD_DIM", "CAUSAL", "ACC_DTYPE", "DOT_PRECISION", "BLOCK_M", "BLOCK_N"),
+    "tma": ("HEAD_DIM", "CAUSAL", "ACC_DTYPE", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "TWO_STAGE",
+            "WARP_SPECIALIZE", "FP8"),
+}
+
+
+def resources(data: dict, head_dim: int = 128, num_warps: int = 8) -> list[dict]:
+    """What the compiler gave each forward kernel at ``head_dim`` and ``num_warps`` (run 2, fp16
+    timing and the checks): one row per (kernel, BLOCK_M, BLOCK_N, num_stages) with the range of
+    registers per thread, spilled registers and shared memory over its compilations (causal or
+    not, one or two stages)."""
+    import re
+
+    groups: dict = {}
+    for r in data.get("resources", []):
+        if "error" in r or r["num_warps"] != num_warps:
+            continue
+        names = _TRAILING_CONSTEXPRS[r["kernel"]]
+        values = re.findall(r"\('constexpr', ([^)]*)\)", r["key"])[-len(names):]
+        consts = dict(zip(names, values))
+        if consts.get("HEAD_DIM") != str(head_dim) or consts.get("FP8") == "True":
+            continue
+        key = (r["kernel"], int(consts["BLOCK_M"]), int(consts["BLOCK_N"]), r["num_stages"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (kernel, bm, bn, stages), rs in sorted(groups.items()):
+        span = lambda f: (min(f(r) for r in rs), max(f(r) for r in rs))  # noqa: E731
+        out.append({"kernel": kernel, "block_m": bm, "block_n": bn, "num_stages": stages,
+                    "n_regs": span(lambda r: r["n_regs"]), "n_spills": span(lambda r: r["n_spills"]),
+                    "shared_kib": span(lambda r: round(r["shared_bytes"] / 1024))})
+    return out
+
+
+def fp8_accuracy(data: dict) -> dict:
+    """Mean RMSE against float64 over the recorded seeds: ``{"fp16", "fp8", "fp8_rotated"}``."""
+    rows = data["fp8_accuracy"]
+    return {key: statistics.mean(r[key] for r in rows) for key in ("fp16", "fp8", "fp8_rotated")}

@@ -51,6 +51,24 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every forward kernel compiled so far (pointer and
+    descriptor), read from Triton's cache of compiled kernels; the key names the constexprs."""
+    from course_lib.kernels import forward, hopper
+
+    out = []
+    for name, fn in (("pointer", forward.attention_forward_kernel), ("tma", hopper.attention_forward_tma_kernel)):
+        try:
+            for cache in fn.device_caches.values():
+                for key, kernel in cache[0].items():
+                    out.append({"kernel": name, "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                                "shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+                                "num_stages": kernel.metadata.num_stages, "key": str(key)[-400:]})
+        except Exception as err:  # the cache layout is Triton-version specific: say so, go on
+            out.append({"kernel": name, "error": f"{type(err).__name__}: {err}"})
+    return out
+
+
 def main(argv=None):
     args = parse(argv)
     import torch
@@ -131,6 +149,10 @@ def main(argv=None):
                     lib = tuning.gpu_default("forward", d, 2, seq_len=n, causal=causal)
                     best["course"] = record("course", list(vars(lib).values()), dt, d, n, causal,
                                             lambda: attention_forward(q, k, v, causal, scale), fl)
+                    if args.only_fp8:  # chapter 06's kernel on the wide tiles too: what TMA changed
+                        wide = tuning.Blocks(*TMA_CONFIGS[1])
+                        record("course", list(TMA_CONFIGS[1]), dt, d, n, causal,
+                               lambda: attention_forward(q, k, v, causal, scale, blocks=wide), fl)
                     for cfg in (TMA_CONFIGS[:2] if args.only_fp8 else TMA_CONFIGS):
                         blocks = tuning.Blocks(*cfg)
                         t = record("tma", list(cfg), dt, d, n, causal,
@@ -165,6 +187,8 @@ def main(argv=None):
                     torch.cuda.empty_cache()
                     save()
 
+    data["resources"] = compiled_resources()
+    save()
     if args.no_fp8:
         return data
     # ---- FP8 accuracy on inputs with outliers (FA3's experiment)
