@@ -16,9 +16,11 @@ from course_lib.reference import naive_attention_torch
 pytestmark = [pytest.mark.ch09]
 
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-# FP8 (e4m3: 3 mantissa bits, relative rounding 2^-4) of q, k, v and P: a few percent of ‖o‖,
-# measured 2-3% on normal inputs at these sizes (CPU interpreter and H100).
-FP8_REL_TOL = 0.08
+# FP8 (e4m3: 3 mantissa bits, relative rounding up to 2^-4) of q, k, v and P: several percent of
+# ‖o‖. Measured on normal inputs: 4.7-5.4% on an H100 (tools/fa3_ablation.py's check), 5% in the
+# CPU emulation (course_lib.fp8), 7% in Triton's interpreter, whose fp32 -> e4m3 casts of P lose
+# more than the GPU's.
+FP8_REL_TOL = 0.12
 
 
 def rel_err(out, ref) -> float:
@@ -103,3 +105,31 @@ def test_tma_forward_gpu_large(dtype, d, n, causal):
     o, _ = hopper.attention_forward_tma(q, k, v, causal, d ** -0.5)
     ref_o, _ = naive_attention_torch(q.double(), k.double(), v.double(), causal=causal)
     assert rel_err(o, ref_o) < REL_TOL[dtype]
+
+
+def test_library_path_choice(monkeypatch):
+    """The library takes the descriptor kernel only on a Hopper GPU at padded head dim 128, in
+    fp16/bf16, unless COURSE_LIB_TMA=0 or autotuning; never in the interpreter."""
+    from course_lib import runtime
+
+    q = torch.randn(1, 1, 8, 128)
+    if runtime.current().interpreted:
+        assert not hopper.library_uses_tma(q, q, q)
+    monkeypatch.setenv(tuning.TMA_ENV, "0")
+    assert not tuning.tma_enabled()
+    monkeypatch.setenv(tuning.TMA_ENV, "1")
+    assert tuning.tma_enabled()
+    assert tuning.hopper_forward(1024, False) == tuning.Blocks(64, 64, 4, 3)
+    assert tuning.hopper_forward(4096, True) == tuning.Blocks(64, 64, 4, 3)
+    assert tuning.hopper_forward(4096, False) == tuning.Blocks(128, 128, 8, 3)
+    assert tuning.hopper_forward(16384, True) == tuning.Blocks(128, 128, 8, 3)
+
+
+@pytest.mark.gpu
+def test_library_uses_tma_on_hopper_at_d128():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the descriptor path is for Hopper (compute capability 9.x)")
+    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.float16)
+    assert hopper.library_uses_tma(q, q, q)
+    assert not hopper.library_uses_tma(q[..., :64].contiguous(), q[..., :64].contiguous(), q[..., :64].contiguous())
+    assert not hopper.library_uses_tma(q.float(), q.float(), q.float())

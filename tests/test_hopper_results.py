@@ -1,0 +1,72 @@
+"""Chapter 09's recorded H100 results: the file is there, complete, and read the way the notebook
+says (ablation steps, two-stage gain, FP8 speed and accuracy, compiler resources)."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib import decoding, hopper_results as hr
+
+pytestmark = [pytest.mark.ch09]
+
+
+@pytest.fixture(scope="module")
+def data():
+    return hr.load()
+
+
+def test_recorded_file_has_provenance_and_every_grid_cell(data):
+    assert "H100" in hr.provenance(data) and "triton" in hr.provenance(data)
+    cells = hr.cells(data, "sdpa_cudnn")
+    assert len(cells) == 24  # fp16/bf16 x d 64/128 x N 1k/4k/16k x causal
+    for cell in cells:
+        for variant in ("course", "tma", "tma_ws", "sdpa_flash"):
+            assert hr.tflops(data, variant, *cell) > 0, (variant, cell)
+    assert not data.get("failures")
+
+
+def test_ablation_has_every_step_and_the_gains_are_ratios_of_its_rows(data):
+    rows = hr.ablation(data, "float16", 128, 16384)
+    assert [r["step"] for r in rows[:len(hr.ABLATION_STEPS)]] == [s[0] for s in hr.ABLATION_STEPS]
+    assert all(r["non-causal"] and r["causal"] for r in rows)
+    text = hr.format_ablation(data, "float16", 128, 16384)
+    first, second = rows[0]["non-causal"], rows[1]["non-causal"]
+    assert f"({second / first:.2f}x)" in text
+
+
+def test_two_stage_and_pipeline_rows_pair_the_right_measurements(data):
+    gains = hr.two_stage_gain(data)
+    assert len(gains) == 12 and all(one > 0 and two > 0 for *_, one, two in gains)
+    depth = hr.pipeline_depth(data)
+    assert len(depth) == 24 and all(a > 0 and b > 0 for *_, a, b in depth)
+
+
+def test_fp8_rows(data):
+    speed = hr.fp8_speedup(data)
+    assert {(n, c) for n, c, *_ in speed} == {(4096, False), (4096, True), (16384, False), (16384, True)}
+    for n, causal, f16, f8, ratio in speed:
+        assert ratio == pytest.approx(f8 / f16)
+    acc = hr.fp8_accuracy(data)
+    assert acc["fp16"] < acc["fp8_rotated"] < acc["fp8"]
+
+
+def test_resources_parse_the_compiler_report(data):
+    rows = hr.resources(data, head_dim=128, num_warps=8)
+    kinds = {(r["kernel"], r["block_m"], r["block_n"]) for r in rows}
+    assert ("pointer", 128, 128) in kinds and ("tma", 128, 128) in kinds
+    for r in rows:
+        assert 0 < r["n_regs"][0] <= r["n_regs"][1] <= 255
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.json"):
+        hr.load(tmp_path / "nothing.json")
+
+
+def test_recorded_decoding_bench_table():
+    data = decoding.load_recorded_bench()
+    text = decoding.format_recorded_bench(data)
+    assert "H100" in text and "copy ceiling" in text
+    assert len(text.splitlines()) == 3 + len(data["results"])
+    long = [r for r in data["results"] if r["seq_len"] >= 65536]
+    assert long and all(r["triton"]["fraction_of_copy_ceiling"] > 0 for r in long)
