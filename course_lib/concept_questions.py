@@ -755,15 +755,149 @@ def _chapter_08() -> list:
     ]
 
 
+# ---------------------------------------------------------------- 09: FlashAttention-3 on Hopper
+
+def _chapter_09() -> list:
+    from course_lib import fp8  # torch: imported when the questions are built, not at import
+
+    gpu = hardware.get_gpu("H100 SXM")
+    exp_tflops = hardware.H100_EXP_TFLOPS
+    d = 128
+    per_score = costmodel.attention_flops(1, 1, 1, d)  # the two matmuls' FLOPs per score: 4·d
+    exp_share = (1 / exp_tflops) / (per_score / gpu.fp16_tflops)
+    outlier = 100.0
+    one_hot = np.zeros(d)
+    one_hot[d // 3] = outlier
+    rotation = fp8.random_rotation(d, seed=0).numpy()
+    peak = float(np.abs(one_hot @ rotation).max())  # outlier / √d
+    return [
+        _move_answer(2, MultipleChoice(
+            "With TMA, a kernel loads a K tile by handing the copy engine a descriptor and the "
+            "tile's coordinates. Why can FA3 then leave all loads to a few producer warps?",
+            choices=(
+                "The copy engine computes every address and copies asynchronously: one request",
+                "TMA reads HBM faster, so fewer warps need to wait for it",
+                "TMA converts tiles to FP8 on the way, halving the bytes to move",
+                "The descriptor keeps all of K in shared memory, so nothing is left to load",
+            ),
+            answer=0,
+            explanations=(
+                "Without TMA every thread computes the addresses and masks of its elements and "
+                "issues its loads, with the registers and instructions of the warps that do the "
+                "math. A descriptor load is one request (base, shape, strides, block shape, "
+                "coordinates); the tile lands in shared memory while the consumer warps compute "
+                "on the previous one, so data movement overlaps computation.",
+                "The bytes cross the same HBM at the same bandwidth. What changes is who spends "
+                "instructions on them: the copy engine instead of every thread.",
+                "TMA copies bytes as they are; FP8 is a separate choice (the inputs are quantized "
+                "before the kernel runs).",
+                f"Shared memory holds a few tiles ({gpu.max_shared_kib_per_sm} KiB per SM on an "
+                f"{gpu.name}), not a K of thousands of rows: the producer streams tiles one after "
+                f"another.",
+            ),
+        )),
+        Numeric(
+            f"An {gpu.name} multiplies FP16 matrices at {gpu.fp16_tflops:g} TFLOP/s but runs exp "
+            f"at only {exp_tflops:g} TFLOP/s (FA3's figure; the reading's \"~4 TFLOPs\"). Per "
+            f"score, the two matmuls do 4·d FLOPs and the softmax one exp. At d = {d}, how long "
+            f"do the exps take, as a fraction of the matmuls' time?",
+            answer=exp_share,
+            explanation=f"exp: 1 / {exp_tflops:g} TFLOP/s per score; matmuls: {per_score:g} "
+                        f"FLOPs / {gpu.fp16_tflops:g} TFLOP/s. The ratio is "
+                        f"{gpu.fp16_tflops:g} / ({exp_tflops:g} × {per_score:g}) ≈ "
+                        f"{exp_share:.2f}. One after the other, the tensor cores would idle "
+                        f"{exp_share / (1 + exp_share):.0%} of the time; FA3's ping-pong runs one "
+                        f"warpgroup's softmax while the other's matmuls run.",
+            hint="Time is work divided by throughput: one exp per score at the exp rate, "
+                 "4·d matmul FLOPs per score at the matmul rate. Divide the first by the second.",
+            wrong_answers=(
+                WrongAnswer(gpu.fp16_tflops / exp_tflops,
+                            "That is the ratio of the throughputs; each score also needs 4·d "
+                            "matmul FLOPs but only one exp."),
+                WrongAnswer(1 / exp_share, "Inverted: that is the matmuls' time over the exps'."),
+                WrongAnswer(2 * exp_share, "That counts one matmul (2·d FLOPs per score); "
+                                           "attention has two, q·kᵀ and p·v."),
+            ),
+        ),
+        _move_answer(1, MultipleChoice(
+            "FA3 tests FP8 attention on inputs where 0.1 % of the entries are large outliers. "
+            "Why does rotating q and k by a random Hadamard matrix before quantizing cut the "
+            "error (2.6× in the reading)?",
+            choices=(
+                "Each outlier is spread over all d columns: smaller values, errors that cancel",
+                "The rotation makes the scores smaller, so softmax is less sensitive",
+                "Rotated values are integers, which e4m3 stores exactly",
+                "The rotation removes the outliers from q and k",
+            ),
+            answer=0,
+            explanations=(
+                "e4m3 keeps 3 mantissa bits, so a value is rounded by up to 2⁻⁴ of itself: an "
+                "outlier of 30 can be off by 30 · 2⁻⁴ ≈ 1.9, in every score it touches. x @ R "
+                "with R = diag(s) · H turns a one-hot outlier a into ±a/√d in every column, and "
+                "the rounding errors of the d products, of random signs, partly cancel. R is "
+                "orthogonal, so the exact scores do not change: (qR)(kR)ᵀ = qkᵀ.",
+                "R is orthogonal: norms and scores are unchanged, (qR)(kR)ᵀ = q R Rᵀ kᵀ = qkᵀ. "
+                "Only how each vector is spread over the columns changes.",
+                "The entries of x @ R are sums of ±x_c/√d, not integers; e4m3 rounds them like "
+                "any other value.",
+                "Nothing is removed: R is invertible (R⁻¹ = Rᵀ). The outlier's energy is still "
+                "there, spread over d columns instead of one.",
+            ),
+        )),
+        Numeric(
+            f"x has d = {d} entries, all zero except one outlier of {outlier:g}. After x @ R "
+            f"with R = diag(s) · H (H the normalised Hadamard matrix, s random signs), what is "
+            f"the largest |entry|?",
+            answer=peak,
+            explanation=f"The one-hot x picks one row of R: s_c times a row of H, whose entries "
+                        f"are all ±1/√d. So every entry of x @ R is ±{outlier:g}/√{d} ≈ "
+                        f"{peak:.2f}: the norm stays {outlier:g} (R is orthogonal), the peak "
+                        f"drops by √d ≈ {math.sqrt(d):.1f}.",
+            hint="A one-hot x times a matrix is one row of that matrix; what are the entries of "
+                 "a normalised Hadamard matrix?",
+            wrong_answers=(
+                WrongAnswer(outlier / d, "That divides by d; the entries of the normalised H "
+                                         "are ±1/√d, so that norms are kept."),
+                WrongAnswer(outlier, "That is the outlier itself: the rotation spreads it over "
+                                     "all d entries."),
+                WrongAnswer(outlier * math.sqrt(d), "That uses the ±1 Hadamard matrix without "
+                                                    "dividing by √d: not a rotation."),
+            ),
+        ),
+        _move_answer(3, MultipleChoice(
+            "A causal FlashAttention kernel runs its K/V loop in two stages: the tiles left of "
+            "the diagonal first, then the tiles on it. Why?",
+            choices=(
+                "Only the diagonal tiles need the causal mask: the rest run without it",
+                "The diagonal tiles are loaded with TMA, the others with pointers",
+                "The second stage recomputes the first stage's tiles in FP8",
+                "The tiles right of the diagonal are computed in the second stage, then dropped",
+            ),
+            answer=0,
+            explanations=(
+                "In a tile left of the diagonal every key comes before every query: nothing to "
+                "mask. Two loops let the compiler drop the mask's index compares and selects "
+                "from most tiles (chapter 06's split); only the tiles that straddle the diagonal "
+                "(one per query tile when BLOCK_M = BLOCK_N) pay for them.",
+                "Every tile is loaded the same way; the split is about masking, not loading.",
+                "FP8 is a separate choice, and each tile is computed once.",
+                "Tiles right of the diagonal are never visited (causal tile skipping): every key "
+                "in them comes after every query.",
+            ),
+        )),
+    ]
+
+
 _BUILDERS: dict[str, Callable[[], list]] = {
     "01": _chapter_01, "02": _chapter_02, "03": _chapter_03, "04": _chapter_04,
     "05": _chapter_05, "06": _chapter_06, "07": _chapter_07, "08": _chapter_08,
+    "09": _chapter_09,
 }
-CHAPTERS = tuple(_BUILDERS)  # "01" … "08"
+CHAPTERS = tuple(_BUILDERS)  # "01" … "09"
 
 
 def questions(chapter: str) -> list:
-    """The concept-check questions of ``chapter`` (``"01"`` … ``"08"``), built now.
+    """The concept-check questions of ``chapter`` (``"01"`` … ``"09"``), built now.
 
     Raises ValueError naming ``chapter`` and listing the chapters that have questions.
     """
@@ -773,5 +907,5 @@ def questions(chapter: str) -> list:
 
 
 def all_questions() -> dict[str, list]:
-    """``{"01": [...], ..., "08": [...]}``: every chapter's questions."""
+    """``{"01": [...], ..., "09": [...]}``: every chapter's questions."""
     return {chapter: questions(chapter) for chapter in CHAPTERS}

@@ -10,7 +10,7 @@ import pytest
 from course_lib import concept_questions
 from course_lib.widgets.quiz import MultipleChoice, Numeric
 
-EXPECTED_CHAPTERS = tuple(f"{i:02d}" for i in range(1, 9))
+EXPECTED_CHAPTERS = tuple(f"{i:02d}" for i in range(1, 10))
 
 
 def chapter_params():
@@ -26,7 +26,7 @@ def numeric(chapter: str, words: str) -> Numeric:
     return found[0]
 
 
-def test_every_chapter_01_to_08_has_questions():
+def test_every_chapter_01_to_09_has_questions():
     assert concept_questions.CHAPTERS == EXPECTED_CHAPTERS
     assert set(concept_questions.all_questions()) == set(EXPECTED_CHAPTERS)
 
@@ -124,10 +124,16 @@ def test_ch08_numbers():
     assert numeric("08", "GQA").answer == pytest.approx(32 / 8)
 
 
+def test_ch09_numbers():
+    # exp at 3.9 TFLOP/s (FA3) against 4·d matmul FLOPs per score at 989.4 TFLOP/s
+    assert numeric("09", "fraction of the matmuls").answer == pytest.approx(989.4 / (3.9 * 4 * 128))
+    assert numeric("09", "one outlier of 100").answer == pytest.approx(100 / math.sqrt(128))
+
+
 @pytest.mark.parametrize("chapter", chapter_params())
 def test_every_numeric_answer_is_checked_here(chapter):
     """A new numeric question needs its own independent computation above."""
-    checked = {"01": 3, "02": 2, "03": 1, "04": 2, "05": 1, "06": 2, "07": 2, "08": 2}
+    checked = {"01": 3, "02": 2, "03": 1, "04": 2, "05": 1, "06": 2, "07": 2, "08": 2, "09": 2}
     count = sum(isinstance(q, Numeric) for q in concept_questions.questions(chapter))
     assert count == checked[chapter], (f"chapter {chapter} has {count} numeric questions; "
                                        f"{checked[chapter]} are recomputed in this file")
