@@ -824,18 +824,18 @@ def _chapter_09() -> list:
             "Why does rotating q and k by a random Hadamard matrix before quantizing cut the "
             "error (2.6× in the reading)?",
             choices=(
-                "Each outlier is spread over all d columns: smaller values, errors that cancel",
+                "Each outlier is spread evenly over all d columns, so no entry stands out",
                 "The rotation makes the scores smaller, so softmax is less sensitive",
                 "Rotated values are integers, which e4m3 stores exactly",
                 "The rotation removes the outliers from q and k",
             ),
             answer=0,
             explanations=(
-                "e4m3 keeps 3 mantissa bits, so a value is rounded by up to 2⁻⁴ of itself: an "
-                "outlier of 30 can be off by 30 · 2⁻⁴ ≈ 1.9, in every score it touches. x @ R "
-                "with R = diag(s) · H turns a one-hot outlier a into ±a/√d in every column, and "
-                "the rounding errors of the d products, of random signs, partly cancel. R is "
-                "orthogonal, so the exact scores do not change: (qR)(kR)ᵀ = qkᵀ.",
+                "x @ R with R = diag(s) · H turns a one-hot outlier a into ±a/√d in every "
+                "column: the rotated q and k look like well-behaved Gaussian data, which is "
+                "FA3's rationale (\"incoherent processing\"). R is orthogonal, so the exact "
+                "scores do not change: (qR)(kR)ᵀ = qkᵀ. Chapter 09 measures 1.6× less error with "
+                "it (FA3: 2.6×), and no change on inputs without outliers.",
                 "R is orthogonal: norms and scores are unchanged, (qR)(kR)ᵀ = q R Rᵀ kᵀ = qkᵀ. "
                 "Only how each vector is spread over the columns changes.",
                 "The entries of x @ R are sums of ±x_c/√d, not integers; e4m3 rounds them like "

@@ -91,6 +91,8 @@ ERROR_HINTS = (
      "triton.next_power_of_2 and mask the extra lanes"),
     ("equal ranks >= 2",
      "tl.dot multiplies 2-D tiles: check the shapes (BLOCK_M, d) @ (d, BLOCK_N)"),
+    ("equal reduction dimensions",
+     "tl.dot(a, b) needs a (M, K) @ b (K, N): for scores q (M, d) @ kᵀ (d, N), write tl.dot(q, tl.trans(k))"),
     ("incompatible dimensions",
      "shapes do not line up: tl.dot(a, b) needs a's last dim == b's first dim (tl.trans(k)?)"),
     ("Cannot broadcast", "shapes do not broadcast: a row index needs [:, None], a column index [None, :]"),

@@ -240,7 +240,7 @@ SCORES_KERNEL_CORPUS = {k.value: found for k, found in {
                    "case 2 of 3"),
     PIDS_SWAPPED: ("were never written", "case 1 of 3"),
     # tl.dot's words, in the interpreter and from the compiler (which also quotes the line)
-    NO_TRANS: ("must have equal reduction dimensions", "case 1 of 3"),
+    NO_TRANS: ("hint: tl.dot(a, b) needs a (M, K) @ b (K, N)", "case 1 of 3"),
 }.items()}
 
 
