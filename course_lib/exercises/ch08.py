@@ -402,9 +402,9 @@ def check_split_kv_kernel(kernel):
         return split_kernel_runner(kernel, splits)(q, k, v)
 
     return kernel_checks.check_kernel("Exercise 8.4", kernel, run, _checked_states,
-                             _split_kernel_cases(runtime.current().device),
-                             fallback=kernels_decoding.split_kv_kernel,
-                             mistakes=SPLIT_KERNEL_MISTAKES)
+                                      _split_kernel_cases(runtime.current().device),
+                                      fallback=kernels_decoding.split_kv_kernel,
+                                      mistakes=SPLIT_KERNEL_MISTAKES)
 
 
 SPLIT_KERNEL_HINTS = [
@@ -622,9 +622,9 @@ def check_combine_kernel(kernel):
         return combine_kernel_runner(kernel, out_dtype)(m, l, o)
 
     return kernel_checks.check_kernel("Exercise 8.5", kernel, run, combine_reference,
-                             _combine_kernel_cases(runtime.current().device),
-                             fallback=kernels_decoding.combine_kernel,
-                             mistakes=COMBINE_KERNEL_MISTAKES)
+                                      _combine_kernel_cases(runtime.current().device),
+                                      fallback=kernels_decoding.combine_kernel,
+                                      mistakes=COMBINE_KERNEL_MISTAKES)
 
 
 COMBINE_KERNEL_HINTS = [
