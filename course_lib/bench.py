@@ -244,32 +244,64 @@ def format_memory(data: dict, pass_: str = "fwd+bwd") -> str:
     return "\n".join(lines)
 
 
+# How the benchmark plot is laid out: drawn at its natural size in a notebook (about 900 px wide),
+# so its text stays readable; the legend goes below the panels, where it hides no line.
+PLOT_COLUMNS = 2  # panels per row
+PLOT_PANEL_SIZE = (4.5, 3.0)  # inches per panel
+PLOT_LEGEND_HEIGHT = 0.9  # inches below the panels for the legend
+PLOT_FONTSIZE = 11  # points: tick labels, axis labels and legend
+IMPL_LABELS = {"course": "course kernel (ours)", "sdpa_flash": "SDPA FlashAttention-2",
+               "sdpa_cudnn": "SDPA cuDNN", "sdpa_mem_eff": "SDPA memory-efficient",
+               "naive": "naive (N×N in HBM)"}
+
+
 def plot(data: dict, pass_: str):
-    """TFLOP/s against N, one panel per (dtype, d); solid lines non-causal, dashed causal."""
+    """TFLOP/s against N, one panel per (dtype, d), two panels a row; solid lines non-causal, dashed
+    causal; one legend for all panels, below them."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     cells = _cells(data, pass_)
-    panels = sorted({(dt, d) for dt, d, _, _ in cells})
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4 * max(1, len(panels)), 3.4),
-                             squeeze=False, sharey=True)
-    for ax, (dt, d) in zip(axes[0], panels):
-        for j, impl in enumerate(IMPLS):
-            for causal, style in ((False, "-"), (True, "--")):
-                pts = sorted((n, row[impl]["tflops"]) for (dt2, d2, n, c), row in cells.items()
-                             if dt2 == dt and d2 == d and c == causal and impl in row)
-                if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=f"C{j}",
-                            label=impl if not causal else None)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt}, d={d}")
-        ax.set_xlabel("sequence length N")
-    axes[0][0].set_ylabel(f"TFLOP/s ({pass_})")
-    axes[0][0].legend(fontsize=8, title="dashed: causal", title_fontsize=8)
-    title = f"attention {pass_}"
-    if "meta" in data:
-        title += f" — {data['meta']['gpu']}, {data['meta']['date']}"
-    fig.suptitle(title)
-    fig.tight_layout()
+    panels = sorted({(dt, d) for dt, d, _, _ in cells}) or [("", 0)]
+    cols = min(PLOT_COLUMNS, len(panels))
+    rows = -(-len(panels) // cols)
+    width, height = PLOT_PANEL_SIZE
+    with plt.rc_context({"font.size": PLOT_FONTSIZE, "axes.titlesize": PLOT_FONTSIZE + 1}):
+        fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + PLOT_LEGEND_HEIGHT),
+                                 squeeze=False, sharey=True, layout="constrained")
+        flat = list(axes.ravel())
+        for ax in flat[len(panels):]:
+            ax.set_visible(False)
+        handles = {}
+        for ax, (dt, d) in zip(flat, panels):
+            for j, impl in enumerate(IMPLS):
+                for causal, style in ((False, "-"), (True, "--")):
+                    pts = sorted((n, row[impl]["tflops"]) for (dt2, d2, n, c), row in cells.items()
+                                 if dt2 == dt and d2 == d and c == causal and impl in row)
+                    if pts:
+                        ax.plot(*zip(*pts), style, marker="o", color=f"C{j}",
+                                label=IMPL_LABELS.get(impl, impl) if not causal else None)
+                        handles.setdefault(impl, Line2D([], [], color=f"C{j}", marker="o",
+                                                        label=IMPL_LABELS.get(impl, impl)))
+            ax.set_xscale("log", base=2)
+            seq_lens = sorted({n for dt2, d2, n, _ in cells if (dt2, d2) == (dt, d)})
+            ax.set_xticks(seq_lens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seq_lens])
+            ax.minorticks_off()
+            ax.set_title(f"{dt}, d={d}")
+            ax.grid(True, alpha=0.3)
+            ax.tick_params(labelsize=PLOT_FONTSIZE)  # ticks are made at draw time: set it here
+        for ax in axes[-1]:
+            ax.set_xlabel("sequence length N", fontsize=PLOT_FONTSIZE)
+        for ax in axes[:, 0]:
+            ax.set_ylabel(f"TFLOP/s ({pass_})", fontsize=PLOT_FONTSIZE)
+        styles = [Line2D([], [], color="0.3", linestyle="-", label="solid: non-causal"),
+                  Line2D([], [], color="0.3", linestyle="--", label="dashed: causal")]
+        fig.legend(handles=[handles[i] for i in IMPLS if i in handles] + styles,
+                   loc="outside lower center", ncol=3, frameon=False, fontsize=PLOT_FONTSIZE)
+        title = f"attention {pass_}"
+        if "meta" in data:
+            title += f" — {data['meta']['gpu']}, {data['meta']['date']}"
+        fig.suptitle(title, fontsize=PLOT_FONTSIZE + 2)
     return fig
 
 
