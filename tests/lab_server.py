@@ -12,7 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from course_lib.lab import ROOT, lab_command
+from course_lib.lab import ROOT, install_settings, lab_command
 
 START_TIMEOUT_S = 90
 
@@ -45,6 +45,7 @@ def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
 @contextmanager
 def running_lab(log_path: Path | None = None):
     """Yield the base URL of a running course JupyterLab; stop it (and its kernels) by PID."""
+    install_settings()  # as `make lab` does before it starts the server
     port = free_port()
     log = open(log_path or os.devnull, "w")
     proc = subprocess.Popen(lab_command(port=port, token=""), cwd=ROOT, stdout=log,
