@@ -25,9 +25,14 @@ produce (those are off by O(1) relative error). A check can override them.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import inspect
 import io
+import json
 import math
+import os
+import re
 import signal
 import sys
 import threading
@@ -75,6 +80,146 @@ _TimeLimit = TimeLimitExceeded  # short internal name
 
 class _UserInterrupt(KeyboardInterrupt):
     """A real Ctrl-C / Interrupt button during the learner's call (not a ``raise`` in its code)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# No false ✓: telling the learner's answer from the library's
+
+
+def is_library_object(obj: Any) -> bool:
+    """True when ``obj`` (a function, a class, a Triton kernel, a ``functools.partial``) is the
+    library's own: defined in a ``course_lib`` module. A learner's answer is defined in the
+    notebook (module ``__main__``) or in a file of their own."""
+    for _ in range(4):  # unwrap Triton's JITFunction/Autotuner (.fn) and partials (.func)
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return False
+        module = getattr(obj, "__module__", None)
+        if isinstance(module, str) and (module == "course_lib" or module.startswith("course_lib.")):
+            return True
+        inner = getattr(obj, "fn", None) or getattr(obj, "func", None)
+        if inner is None or inner is obj:
+            return False
+        obj = inner
+    return False
+
+
+def _answers_in(values: Iterable[Any]) -> list[Any]:
+    """The callables and classes among ``values`` (through tuples and lists, one level deep)."""
+    found = []
+    for v in values:
+        items = v if isinstance(v, (tuple, list)) else (v,)
+        found += [e for e in items if callable(e)]
+    return found
+
+
+# True inside :func:`library_answers_allowed`: the library's test suite hands the checks mistake
+# models and answer keys that live in ``course_lib.exercises`` as if a learner had written them.
+_LIBRARY_ANSWERS_ALLOWED: contextvars.ContextVar = contextvars.ContextVar(
+    "library_answers_allowed", default=False)
+
+
+@contextlib.contextmanager
+def library_answers_allowed(allowed: bool = True):
+    """Within the block, checks judge objects defined in ``course_lib`` like a learner's answer
+    (for the library's own tests of its mistake models and answer keys, never for notebooks)."""
+    token = _LIBRARY_ANSWERS_ALLOWED.set(allowed)
+    try:
+        yield
+    finally:
+        _LIBRARY_ANSWERS_ALLOWED.reset(token)
+
+
+# The library objects handed to the check that runs now (set by :func:`learner_check`).
+_LIBRARY_ANSWER: contextvars.ContextVar = contextvars.ContextVar("library_answer", default=None)
+
+
+def learner_check(check: Callable) -> Callable:
+    """Decorate a notebook-facing ``check_…`` function so that it never passes the library's code.
+
+    A check cell reads ``answer = chNN.check_answer(answer)``: when the exercise is not done, the
+    check hands back the library's version, so the name ``answer`` is then the library's. Run the
+    same check cell again (without running the exercise cell first) and the check would test the
+    library's code and print ✓. Under this decorator every check that is handed an object defined
+    in ``course_lib`` says "not done yet" (with what to do) and returns its fallback instead."""
+
+    @functools.wraps(check)
+    def wrapper(*args, **kwargs):
+        library = [] if _LIBRARY_ANSWERS_ALLOWED.get() else [
+            a for a in _answers_in([*args, *kwargs.values()]) if is_library_object(a)]
+        token = _LIBRARY_ANSWER.set(library or None)
+        try:
+            return check(*args, **kwargs)
+        except ExerciseFailed as exc:  # every wrong answer is recorded, whoever raised it
+            found = _EXERCISE_ID.search(str(exc))
+            if found:
+                report(found.group(1), "wrong", str(exc))
+            raise
+        finally:
+            _LIBRARY_ANSWER.reset(token)
+
+    wrapper.__learner_check__ = True
+    return wrapper
+
+
+_EXERCISE_ID = re.compile(r"^✗ (Exercise [\w.]+):")
+
+
+def _library_names(library: Sequence[Any]) -> str:
+    names = [f"`{getattr(o, '__name__', None) or getattr(getattr(o, 'fn', None), '__name__', '?')}`"
+             for o in library]
+    return ", ".join(names)
+
+
+def strict_mode() -> bool:
+    """``COURSE_STRICT=1`` (or true/yes): "not done yet" is a failure, for a learner or a grader
+    who wants the notebook to stop at the first unfinished exercise."""
+    return os.environ.get("COURSE_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+GRADE_LOG_ENV = "COURSE_GRADE_LOG"
+
+
+def report(exercise: str, status: str, message: str = "") -> None:
+    """Record one check's outcome (``passed``, ``not done``, ``wrong``) as a JSON line in the file
+    named by ``$COURSE_GRADE_LOG``, when set (what ``python -m course_lib.grade`` reads)."""
+    path = os.environ.get(GRADE_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps({"exercise": exercise, "status": status, "message": message})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def not_done(exercise: str, fallback: Any, lines: Sequence[str] = ()) -> Any:
+    """The "not done yet" outcome: say so (and what to do), record it, return ``fallback``; under
+    :func:`strict_mode` raise :class:`ExerciseFailed` instead."""
+    library = _LIBRARY_ANSWER.get()
+    if library:
+        head = (f"… {exercise}: not done yet — {_library_names(library)} is still the library's "
+                f"version (this cell handed it on because your exercise was not done). Run the "
+                f"exercise cell (the one that defines your answer), then this one.")
+    else:
+        head = (f"… {exercise}: not done yet — the notebook continues with the library's "
+                f"implementation. Fill in the exercise, run its cell, then this one.")
+    text = "\n".join([head, *lines])
+    report(exercise, "not done", text)
+    if strict_mode():
+        raise ExerciseFailed(f"✗ {exercise}: not done (COURSE_STRICT=1 makes an unfinished "
+                             f"exercise a failure)\n" + text)
+    print(text)
+    return fallback
+
+
+def passed(exercise: str, text: str) -> None:
+    """The pass outcome: print ``text`` and record it."""
+    report(exercise, "passed", text)
+    print(text)
+
+
+def failed_with(exercise: str, message: str) -> "ExerciseFailed":
+    """The wrong-answer outcome: record it and return the exception to raise."""
+    report(exercise, "wrong", message)
+    return ExerciseFailed(message)
 
 
 @dataclass
@@ -349,7 +494,7 @@ def compare(got: Any, want: Any, atol: float, rtol: float, equal_nan: bool = Fal
         idx = tuple(int(i) for i in np.argwhere(nonfinite)[0])
         kind = "NaN" if np.isnan(g[idx] if idx else g) else "inf"
         return (f"{int(nonfinite.sum())} value(s) are NaN/inf where the answer is finite; first at "
-                f"index {idx} ({kind}) — often exp() of a large number: subtract the max first")
+                f"index {idx} ({kind})")
     idx = first_bad_index(g, w, atol, rtol, equal_nan)
     if idx is None:
         return None
@@ -373,14 +518,138 @@ def _outputs_match(a: Any, b: Any, atol: float, rtol: float) -> bool:
         return False
 
 
+def is_library_frame(filename: str) -> bool:
+    """True for a traceback frame in NumPy, torch, Triton, the standard library or course_lib: not
+    the learner's code (a notebook cell, or a file of their own)."""
+    return any(part in filename for part in ("site-packages", "dist-packages", "/triton/",
+                                             "/course_lib/", "<frozen", "/lib/python"))
+
+
+def learner_frame(exc: BaseException):
+    """The innermost traceback frame of ``exc`` in the learner's code, or None."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not is_library_frame(f.filename)]
+    return frames[-1] if frames else None
+
+
 def _short_error(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
-    if frames:
-        last = frames[-1]
-        where = f" (line {last.lineno}: `{(last.line or '').strip()}`)"
+    """'TypeError: message (line N: `code`)': the line is the learner's own (the innermost frame
+    outside NumPy, torch and the library), never NumPy's internals."""
+    frame = learner_frame(exc)
+    where = f" (line {frame.lineno}: `{(frame.line or '').strip()}`)" if frame else ""
     text = str(exc)
     return f"{type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+# What the first invalid floating-point operation NumPy reports says about a NaN/inf.
+_FP_EVIDENCE = (
+    (("invalid value", "subtract"),
+     "inf - inf: in a row whose scores are all -inf (fully masked) the max is -inf too, and "
+     "s - max gives (-inf) - (-inf) = NaN; such a row needs a guard (e.g. use 0 as its max)"),
+    (("invalid value", "add"), "inf + (-inf) = NaN"),
+    (("overflow", "exp"),
+     "exp() overflowed to inf: its argument was large (subtract the running max before exp)"),
+    (("overflow", "power"), "a power overflowed to inf"),
+    (("overflow", ""), "a result overflowed to inf (numbers beyond the dtype's range)"),
+    (("invalid value", "divide"),
+     "0/0 or inf/inf = NaN: a division by a sum that is 0 (a fully masked row?) or inf "
+     "(an overflowed exp?)"),
+    (("divide by zero", "log"), "log(0) = -inf: the log of a sum that is 0 (a fully masked row?)"),
+    (("divide by zero", ""), "a division by zero gives inf"),
+    (("invalid value", "multiply"), "0 · inf = NaN: a weight of 0 times an inf"),
+    (("invalid value", "exp"), "exp of NaN"),
+    (("invalid value", ""), "an operation with no defined result gave NaN"),
+)
+
+
+def trace_nonfinite(fn: Callable, args: tuple, kwargs: dict) -> str | None:
+    """Re-run ``fn`` with NumPy raising on the first invalid floating-point operation; return
+    what it was and where in the learner's code ("invalid value in subtract at line 7: `s - m`
+    — ..."), or None when NumPy reports nothing (torch code, or no NaN made by arithmetic)."""
+    output = CapturedOutput()
+    try:
+        with _isolated(output), np.errstate(over="raise", divide="raise", invalid="raise",
+                                            under="ignore"), _TorchNonfinite() as torch_trace:
+            call_with_time_limit(fn, _copy_value(tuple(args)), _copy_value(kwargs),
+                                 DEFAULT_TIME_LIMIT_S)
+    except FloatingPointError as exc:
+        text = str(exc)
+        frame = learner_frame(exc)
+        where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+        meaning = next((m for (kind, op), m in _FP_EVIDENCE if kind in text and op in text),
+                       "an invalid floating-point operation")
+        return f"the first invalid operation NumPy saw: {text}{where} — {meaning}"
+    except _UserInterrupt:
+        raise KeyboardInterrupt from None
+    except BaseException:  # noqa: BLE001 - no evidence from this run
+        return None
+    return torch_trace.evidence()
+
+
+class _TorchNonfinite:
+    """While active, watch every torch operation (a ``TorchFunctionMode``) and remember the first
+    that made a NaN (or an inf) out of inputs that had none, with the learner's line."""
+
+    _MEANING = {
+        "exp": "exp() overflowed to inf: its argument was large (subtract the running max "
+               "before exp)",
+        "sub": "inf - inf: a row whose scores are all -inf (fully masked) has max -inf, and "
+               "s - max gives (-inf) - (-inf) = NaN; such a row needs a guard",
+        "div": "0/0 or inf/inf = NaN: a division by a sum that is 0 (a fully masked row?) or "
+               "inf (an overflowed exp?)",
+        "log": "log(0) = -inf: the log of a sum that is 0 (a fully masked row?)",
+        "mul": "0 · inf = NaN",
+        "softmax": "softmax of a row that is all -inf (fully masked) is NaN",
+    }
+
+    def __enter__(self):
+        self.first: dict[str, tuple[str, Any]] = {}
+        torch = sys.modules.get("torch")
+        self.mode = None
+        if torch is None:
+            return self
+        watcher = self
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                if len(watcher.first) < 2 and isinstance(result, torch.Tensor) \
+                        and result.is_floating_point():
+                    watcher.inspect(func, args, kwargs or {}, result)
+                return result
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def inspect(self, func, args, kwargs, result):
+        import torch
+
+        tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)
+                   and a.is_floating_point()]
+        for kind, test in (("NaN", torch.isnan), ("inf", torch.isinf)):
+            if kind in self.first or not bool(test(result).any()):
+                continue
+            if any(bool(test(t).any()) for t in tensors):
+                continue
+            frames = [f for f in traceback.extract_stack() if not is_library_frame(f.filename)]
+            self.first[kind] = (getattr(func, "__name__", str(func)), frames[-1] if frames else None)
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        return False
+
+    def evidence(self) -> str | None:
+        """'the first inf came from torch's exp at line N: `...` — meaning; then the first NaN
+        from div at line M: `...`', in the order they appeared; None when torch saw neither."""
+        parts = []
+        for kind, (name, frame) in self.first.items():  # insertion order: first made, first
+            where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+            meaning = next((m for key, m in self._MEANING.items() if key in name), None)
+            parts.append(f"the first {kind} came from torch's {name}{where}"
+                         + (f" — {meaning}" if meaning else ""))
+        return "; then ".join(parts) or None
 
 
 def _crash_diagnosis(exercise: str, subject: str, where: str, exc: BaseException) -> list[str]:
@@ -445,10 +714,13 @@ def check_function(
     fallback = reference if fallback is None else fallback
     cases = list(cases)
     output = CapturedOutput() if output is None else output  # all fn prints, over all cases
+    if _LIBRARY_ANSWER.get():  # the library's own code was handed in: never a ✓ for it
+        return fallback if quiet else not_done(exercise, fallback)
 
     def failed(*lines: str) -> ExerciseFailed:
-        return ExerciseFailed("\n".join([*lines, *output.excerpt(subject)]))
+        return failed_with(exercise, "\n".join([*lines, *output.excerpt(subject)]))
 
+    runs: list[_Run] = []  # evidence: what fn returned on each case it ran
     for n, case in enumerate(cases, 1):
         kwargs = case.kwargs or {}
         want = reference(*case.args, **kwargs)
@@ -456,25 +728,30 @@ def check_function(
         # the mistake models see it
         args_copy, kwargs_copy = _copy_value(tuple(case.args)), _copy_value(kwargs)
         on_case = f"on case {n} {case.describe()}"
+        failing = next((r for r in runs if r.problem), None)
         try:
             with _isolated(output):
                 got = call_with_time_limit(fn, args_copy, kwargs_copy, time_limit)
         except NotImplementedError:
-            if not quiet:
-                print("\n".join([f"… {exercise}: not done yet — the notebook continues with the "
-                                 f"library's implementation. Fill in the exercise and re-run "
-                                 f"this cell.", *output.excerpt(subject)]))
-            return fallback
+            if failing is not None:  # a later case is unfinished: no evidence from it
+                continue
+            if quiet:
+                return fallback
+            return not_done(exercise, fallback, output.excerpt(subject))
         except _TimeLimit:
+            if failing is not None:
+                continue
             raise failed(f"✗ {exercise}: stopped after {time_limit:g} s {on_case} — look for a "
                          f"loop that never ends (a tile index that never advances?)") from None
         except _UserInterrupt:  # the learner stopped the check: stop, as any interrupted cell
             raise KeyboardInterrupt from None
         except BaseException as exc:  # the learner's code crashed: one line, not a traceback wall
+            if failing is not None:  # the wrong answer found first is the diagnosis
+                continue
             raise failed(*_crash_diagnosis(exercise, subject, on_case, exc)) from None
         names = _argument_names(len(case.args), reference, fn)
         changed = _changed_inputs(case, args_copy, kwargs_copy, names, writable)
-        if changed:
+        if changed and failing is None:
             name = changed[0]
             raise failed(f"✗ {exercise}: {subject} changed its input `{name}` in place {on_case}",
                          f"  a correct answer leaves its inputs as they are (the caller still "
@@ -482,26 +759,84 @@ def check_function(
                          f"and copy before assigning into it (`{name} = {name}.copy()`, or "
                          f"`.clone()` for a tensor)")
         atol, rtol = tolerance or _default_tolerance(want)
-        problem = compare(got, want, atol, rtol)
-        if problem is None:
-            continue
-        lines = [f"✗ {exercise}: wrong answer on case {n} of {len(cases)}",
-                 f"  inputs: {case.describe()}",
-                 f"  output: {describe_value(got)}; expected {describe_value(want)}",
-                 f"  {problem}"]
-        for cause, wrong_fn in (mistakes or {}).items():
+        runs.append(_Run(n, case, want, got, compare(got, want, atol, rtol), (atol, rtol)))
+    first = next((r for r in runs if r.problem), None)
+    if first is None:
+        if not quiet:
+            passed(exercise, "\n".join([f"✓ {exercise}: passed ({len(cases)} "
+                                        f"case{'s' if len(cases) != 1 else ''}).",
+                                        *output.excerpt(subject)]))
+        return fn
+    lines = [f"✗ {exercise}: wrong answer on case {first.n} of {len(cases)}",
+             f"  inputs: {first.case.describe()}",
+             f"  output: {describe_value(first.got)}; expected {describe_value(first.want)}",
+             f"  {first.problem}"]
+    if "NaN/inf" in first.problem:
+        evidence = trace_nonfinite(fn, first.case.args, first.case.kwargs or {})
+        if evidence:
+            lines.append(f"  {evidence}")
+    lines += cause_lines(runs, mistakes or {})
+    other = [r.n for r in runs if r.problem and r is not first]
+    if other:
+        lines.append(f"  (also wrong on case{'s' if len(other) > 1 else ''} "
+                     f"{', '.join(map(str, other))}; right on "
+                     f"{len([r for r in runs if not r.problem])} of {len(cases)})")
+    raise failed(*lines)
+
+
+@dataclass
+class _Run:
+    """One case the learner's function ran on: its number, inputs, the right output, what it
+    returned, what is wrong with it (None: right) and the tolerance used."""
+
+    n: int
+    case: Case
+    want: Any
+    got: Any
+    problem: str | None
+    tolerance: tuple[float, float]
+
+
+def consistent_causes(runs: Sequence[_Run], mistakes: dict[str, Callable]) -> list[str]:
+    """The causes whose mistake model reproduces the learner's output on every case where both
+    ran: on the first wrong case (the one the diagnosis shows) and on every other case, right or
+    wrong (a model that would have failed a case the learner got right is ruled out). A model
+    that raises on a case gives no evidence there. Models are tried on the first wrong case first,
+    so only the few that survive it run on the others."""
+    wrong = [r for r in runs if r.problem]
+    if not wrong:
+        return []
+    order = [wrong[0], *[r for r in runs if r is not wrong[0]]]
+    survivors = []
+    for cause, wrong_fn in mistakes.items():
+        for i, run in enumerate(order):
             try:
-                mistaken = wrong_fn(*case.args, **kwargs)
-            except Exception:
+                mistaken = wrong_fn(*run.case.args, **(run.case.kwargs or {}))
+            except Exception:  # noqa: BLE001 - no evidence on this case
+                if i == 0:
+                    break
                 continue
-            if _outputs_match(got, mistaken, atol, rtol):
-                lines.append(f"  likely cause: {cause}")
+            if not _outputs_match(run.got, mistaken, *run.tolerance):
                 break
-        raise failed(*lines)
-    if not quiet:
-        print("\n".join([f"✓ {exercise}: passed ({len(cases)} case{'s' if len(cases) != 1 else ''}).",
-                         *output.excerpt(subject)]))
-    return fn
+        else:
+            survivors.append(cause)
+    return survivors
+
+
+# When more causes than this reproduce an answer, naming them would be a guess.
+MAX_CAUSES_SHOWN = 2
+
+
+def cause_lines(runs: Sequence[_Run], mistakes: dict[str, Callable]) -> list[str]:
+    """The diagnosis lines about the cause: one "likely cause" when the evidence singles one out,
+    the two candidates when exactly two reproduce the output, nothing when none or many do."""
+    causes = list(dict.fromkeys(consistent_causes(runs, mistakes)))
+    if len(causes) == 1:
+        return [f"  likely cause: {causes[0]}"]
+    if 1 < len(causes) <= MAX_CAUSES_SHOWN:
+        return ["  two known mistakes reproduce your output exactly on every case; the evidence "
+                "does not tell them apart:", *[f"  - {c}" for c in causes]]
+    return []
 
 
 def check_value(exercise: str, value: Any, expected: float, *, rtol: float = 1e-3,
@@ -517,27 +852,28 @@ def check_value(exercise: str, value: Any, expected: float, *, rtol: float = 1e-
             with _isolated(output):
                 value = call_with_time_limit(value, (), {}, DEFAULT_TIME_LIMIT_S)
         except NotImplementedError:
-            print(f"… {exercise}: not done yet — expected value shown for reference: {expected:.6g}")
-            return expected
+            return not_done(exercise, expected, [f"  expected value shown for reference: "
+                                                 f"{expected:.6g}"])
         except _UserInterrupt:
             raise KeyboardInterrupt from None
         except _TimeLimit:
-            raise ExerciseFailed(f"✗ {exercise}: your code was stopped after "
-                                 f"{DEFAULT_TIME_LIMIT_S:g} s — look for a loop that never "
-                                 f"ends") from None
+            raise failed_with(exercise, f"✗ {exercise}: your code was stopped after "
+                                        f"{DEFAULT_TIME_LIMIT_S:g} s — look for a loop that "
+                                        f"never ends") from None
         except BaseException as exc:
-            raise ExerciseFailed("\n".join(_crash_diagnosis(exercise, "your code", "", exc)
-                                           + output.excerpt("your code"))) from None
+            raise failed_with(exercise, "\n".join(_crash_diagnosis(exercise, "your code", "", exc)
+                                                  + output.excerpt("your code"))) from None
     if value is None or isinstance(value, (str, bytes)):
-        raise ExerciseFailed(f"✗ {exercise}: expected a number, got {describe_value(value)}")
+        raise failed_with(exercise, f"✗ {exercise}: expected a number, got {describe_value(value)}")
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise ExerciseFailed(f"✗ {exercise}: expected a number, got {describe_value(value)}") from None
+        raise failed_with(exercise, f"✗ {exercise}: expected a number, got "
+                                    f"{describe_value(value)}") from None
     if not math.isfinite(v) or not math.isclose(v, expected, rel_tol=rtol):
         msg = f"✗ {exercise}: got {v:.6g}, expected {expected:.6g} (relative tolerance {rtol:g})"
         if hint:
             msg += f"\n  hint: {hint}"
-        raise ExerciseFailed(msg)
-    print("\n".join([f"✓ {exercise}: passed ({v:.6g}).", *output.excerpt("your code")]))
+        raise failed_with(exercise, msg)
+    passed(exercise, "\n".join([f"✓ {exercise}: passed ({v:.6g}).", *output.excerpt("your code")]))
     return v

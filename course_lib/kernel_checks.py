@@ -23,13 +23,15 @@ power of two, ...). :func:`check_kernel` puts it together for one exercise.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from course_lib import checks
@@ -102,16 +104,11 @@ ERROR_HINTS = (
 )
 
 
-def _is_library_frame(filename: str) -> bool:
-    return any(part in filename for part in ("site-packages", "dist-packages", "/triton/",
-                                             "/course_lib/", "<frozen", "/lib/python"))
-
-
 def _user_location(chain: list[BaseException]) -> str:
     """' (line N: `code`)' for the innermost traceback frame in the learner's code, if any."""
     for exc in reversed(chain):  # innermost exception first
         frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                  if not _is_library_frame(f.filename)]
+                  if not checks.is_library_frame(f.filename)]
         if frames:
             f = frames[-1]
             return f" (line {f.lineno}: `{(f.line or '').strip()}`)"
@@ -153,6 +150,223 @@ def summarize_kernel_error(exc: BaseException) -> str:
         if pattern in text:
             return f"{detail}\n  hint: {hint}"
     return detail
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory-safe runs in the interpreter: every access checked before it happens
+
+
+class MemoryViolation(KernelProblem):
+    """A learner's kernel tried to load or store outside the tensors it was handed (checked in
+    Triton's interpreter before the access, so nothing was read or corrupted)."""
+
+
+@dataclass
+class _Region:
+    """The exact elements of one tensor a kernel may touch."""
+
+    name: str
+    base: int  # address of element (0, ..., 0)
+    itemsize: int
+    shape: tuple
+    strides: tuple  # in elements
+    write: bool
+    storage: tuple  # (first, last + 1) address of the whole allocation
+    nested: bool = field(init=False)
+
+    def __post_init__(self):
+        dims = sorted((st, n) for st, n in zip(self.strides, self.shape) if n > 1 and st > 0)
+        extent, self.nested = 1, True
+        for st, n in dims:  # each stride must step over everything the smaller ones reach
+            self.nested &= st >= extent
+            extent = st * n
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor, write: bool) -> "_Region":
+        storage = t.untyped_storage()
+        return cls(name, t.data_ptr(), t.element_size(), tuple(t.shape), tuple(t.stride()), write,
+                   (storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+    def index_of(self, addresses: np.ndarray, strides=None, shape=None):
+        """(index per dim, ok) of each address read with ``strides`` (default: the tensor's own),
+        ``ok`` False where it is not an element of a view of ``shape`` (default: the tensor's)."""
+        strides = self.strides if strides is None else strides
+        shape = self.shape if shape is None else shape
+        offset = addresses.astype(np.int64) - self.base
+        ok = (offset >= 0) & (offset % self.itemsize == 0)
+        rem = offset // self.itemsize
+        index = [np.zeros_like(rem) for _ in shape]
+        for d in sorted(range(len(shape)), key=lambda d: -strides[d]):
+            if strides[d] <= 0 or shape[d] <= 1:
+                continue
+            index[d] = rem // strides[d]
+            rem = rem - index[d] * strides[d]
+            ok &= index[d] < shape[d]
+        ok &= rem == 0
+        return index, ok
+
+    def contains(self, addresses: np.ndarray) -> np.ndarray:
+        if self.nested:
+            return self.index_of(addresses)[1]
+        valid = self.base + self.itemsize * sum(  # small views: list every element's address
+            np.arange(n, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(len(self.shape))])
+            * st for d, (n, st) in enumerate(zip(self.shape, self.strides)))
+        return np.isin(addresses.astype(np.int64), np.asarray(valid).ravel())
+
+    def in_storage(self, address: int) -> bool:
+        return self.storage[0] <= address < self.storage[1]
+
+
+class MemoryGuard:
+    """The tensors a kernel launch may touch; see :func:`memory_guard`."""
+
+    def __init__(self):
+        self.regions: list[_Region] = []
+
+    def allow(self, name: str, t: torch.Tensor, write: bool = False) -> torch.Tensor:
+        """Let the kernel read ``t``'s elements (and write them if ``write``); returns ``t``."""
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            self.regions.append(_Region.of(name, t, write))
+        return t
+
+    # -- checking one access
+
+    def check(self, op: str, addresses: np.ndarray, mask: np.ndarray | None, write: bool,
+              program: tuple) -> None:
+        lanes = np.asarray(addresses).astype(np.int64)
+        if mask is not None:
+            lanes = lanes[np.broadcast_to(np.asarray(mask, dtype=bool), lanes.shape)]
+        else:
+            lanes = lanes.ravel()
+        if not lanes.size or not self.regions:
+            return
+        ok = np.zeros(lanes.shape, dtype=bool)
+        for r in self.regions:
+            if write and not r.write:
+                continue
+            ok |= r.contains(lanes)
+        if ok.all():
+            return
+        bad = lanes[~ok]
+        raise MemoryViolation(self.explain(op, int(bad[0]), int(bad.size), int(lanes.size),
+                                           write, program))
+
+    def explain(self, op: str, address: int, n_bad: int, n_lanes: int, write: bool,
+                program: tuple) -> str:
+        pid = ", ".join(str(int(i)) for i in program)
+        head = (f"your kernel's {op} in program (pid {pid}) would {'write' if write else 'read'} "
+                f"{n_bad} of its {n_lanes} active lane(s) outside the tensors it may "
+                f"{'write' if write else 'read'}; stopped before the access")
+        where, why = self._locate(address, write)
+        return f"{head}\n  first bad lane: {where}\n  {why}"
+
+    def _locate(self, address: int, write: bool) -> tuple[str, str]:
+        a = np.array([address])
+        # 1. inside a tensor the kernel may only read: a store into an input
+        for r in self.regions:
+            if r.contains(a)[0]:
+                idx = tuple(int(i[0]) for i in r.index_of(a)[0])
+                return (f"element {idx} of `{r.name}`",
+                        f"`{r.name}` is an input (read-only): tl.store only to the output "
+                        f"pointer(s); two pointer arguments swapped?")
+        # 2. inside a tensor's allocation but past its view (its margin)
+        for r in self.regions:
+            if r.in_storage(address) and address >= r.base:
+                idx = [int(i[0]) for i in r.index_of(a)[0]]
+                over = [f"dim {d} index {i} ≥ its size {n}" for d, (i, n) in
+                        enumerate(zip(idx, r.shape)) if i >= n]
+                return (f"`{r.name}` {tuple(r.shape)} at index {tuple(idx)}"
+                        f" ({'; '.join(over) or 'between its rows'})",
+                        f"past the end of `{r.name}` along that dim: a lane past the last "
+                        f"row/column needs a mask on the {'tl.store' if write else 'tl.load'} "
+                        f"(mask=offs < n{'' if write else ', other=0.0'})")
+        # 3. one tensor's base with another tensor's strides
+        for r in self.regions:
+            for other in self.regions:
+                if other is r or other.strides == r.strides:
+                    continue
+                idx, ok = r.index_of(a, strides=other.strides)
+                if ok[0]:
+                    return (f"{address - r.base:+d} bytes from the start of `{r.name}`",
+                            f"that offset is an element of `{r.name}` indexed with `{other.name}`'s "
+                            f"strides {other.strides}: use `{r.name}`'s own strides "
+                            f"{r.strides} for `{r.name}`")
+        # 4. elsewhere: name the nearest tensor that starts before it
+        before = [r for r in self.regions if r.base <= address]
+        near = max(before, key=lambda r: r.base) if before else min(self.regions,
+                                                                     key=lambda r: r.base)
+        elements = (address - near.base) / near.itemsize
+        return (f"{elements:+.0f} elements from the start of `{near.name}` {tuple(near.shape)}, "
+                f"outside every tensor the kernel was given",
+                "an offset that is too large or negative: a missing batch/head offset, a row "
+                "index multiplied by the wrong stride, or a pid used for the wrong axis")
+
+
+_ACTIVE_GUARDS: list[MemoryGuard] = []
+
+
+def _guarded_builder_methods():
+    """The interpreter builder's memory operations, wrapped to ask the active guard first."""
+    from triton.runtime import interpreter as interp
+
+    builder = interp.interpreter_builder
+    original = {name: getattr(builder, name) for name in
+                ("create_masked_load", "create_masked_store", "create_atomic_rmw",
+                 "create_atomic_cas")}
+
+    def pid():
+        return builder.grid_idx or (0, 0, 0)
+
+    def masked_load(ptrs, mask, other, *rest):
+        _ACTIVE_GUARDS[-1].check("tl.load", ptrs.data, mask.data, False, pid())
+        return original["create_masked_load"](ptrs, mask, other, *rest)
+
+    def masked_store(ptrs, value, mask, *rest):
+        _ACTIVE_GUARDS[-1].check("tl.store", ptrs.data, mask.data, True, pid())
+        return original["create_masked_store"](ptrs, value, mask, *rest)
+
+    def atomic_rmw(op, ptr, val, mask, *rest):
+        _ACTIVE_GUARDS[-1].check("atomic", ptr.data, mask.data, True, pid())
+        return original["create_atomic_rmw"](op, ptr, val, mask, *rest)
+
+    def atomic_cas(ptr, cmp, val, *rest):
+        _ACTIVE_GUARDS[-1].check("tl.atomic_cas", ptr.data, None, True, pid())
+        return original["create_atomic_cas"](ptr, cmp, val, *rest)
+
+    return builder, original, {"create_masked_load": masked_load,
+                               "create_masked_store": masked_store,
+                               "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas}
+
+
+@contextlib.contextmanager
+def memory_guard():
+    """Check every load, store and atomic of kernels launched inside the block, in Triton's
+    interpreter, against the tensors registered with ``guard.allow(name, tensor, write=...)``,
+    before the access: a lane outside them raises :class:`MemoryViolation` (which tensor, which
+    program, which offset, what the offset suggests) instead of reading stray memory or
+    corrupting the process. Reads of stray memory fail even when their values would be
+    discarded. On a GPU the block runs unchecked (the guarded buffers' margins catch what they
+    can there)."""
+    from course_lib import runtime
+
+    guard = MemoryGuard()
+    if not runtime.current().interpreted:
+        yield guard
+        return
+    builder, original, wrapped = _guarded_builder_methods()
+    outer = not _ACTIVE_GUARDS
+    _ACTIVE_GUARDS.append(guard)
+    if outer:
+        for name, fn in wrapped.items():
+            setattr(builder, name, fn)
+    try:
+        yield guard
+    finally:
+        _ACTIVE_GUARDS.pop()
+        if outer:
+            for name in wrapped:
+                if name in vars(builder):
+                    delattr(builder, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,12 +460,17 @@ class GuardedRun:
                                  OUTPUT_SENTINEL)
             view.fill_(OUTPUT_SENTINEL)
             outs.append((view, buffer))
-        with warnings.catch_warnings():  # the interpreter's NumPy overflow warnings: we diagnose
+        names = self._input_names(len(inputs))
+        with warnings.catch_warnings(), memory_guard() as guard:  # NumPy overflow warnings: we diagnose
             warnings.simplefilter("ignore", RuntimeWarning)
+            for name, view in zip(names, views):
+                guard.allow(name, view)
+            for spec, (view, _) in zip(self.outputs, outs):
+                guard.allow(spec.name, view, write=True)
             self.launch(*views, *(v for v, _ in outs))
         if device.type == "cuda":
             torch.cuda.synchronize()
-        for name, (_, buffer), before in zip(self._input_names(len(inputs)), embedded, pristine):
+        for name, (_, buffer), before in zip(names, embedded, pristine):
             if not checks.same_value(before, buffer):
                 raise KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
                                     f"read-only: tl.store only to the output pointer(s) (two "
@@ -343,6 +562,10 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
             for e in chain:  # a time limit hit inside the interpreter: let checks report it
                 if isinstance(e, checks.TimeLimitExceeded):
                     raise e from None
+            violation = next((e for e in chain if isinstance(e, KernelProblem)), None)
+            if violation is not None:  # raised inside the kernel (the memory guard)
+                problem.append(f"{violation}\n  on {current[0]}")
+                raise KernelProblem(problem[-1]) from None
             if is_not_done(exc):
                 raise NotImplementedError(exercise) from None
             problem.append(f"your kernel failed on {current[0]}"
@@ -359,9 +582,10 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                                        subject="your kernel", output=output)
     except ExerciseFailed as failed:
         message = str(failed)
-        if problem:
-            message = "\n".join([f"✗ {exercise}: {problem[-1]}", *output.excerpt("your kernel")])
-        raise ExerciseFailed(_with_location(message, locate)) from None
+        if problem and "wrong answer on case" not in message.split("\n")[0]:
+            # the kernel crashed or broke a guard: its diagnosis, not check_function's
+            message = "\n".join([f"✗ {exercise}: {problem[0]}", *output.excerpt("your kernel")])
+        raise checks.failed_with(exercise, _with_location(message, locate)) from None
     return answer if result is attempt else result
 
 

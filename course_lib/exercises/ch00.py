@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from course_lib.checks import learner_check
 from course_lib.checks import Case, check_function
 from course_lib.reference import default_scale
 
@@ -28,6 +29,7 @@ MISTAKES = {
 }
 
 
+@learner_check
 def check_scaled_scores(fn):
     """Exercise 0.1: check the learner's ``scaled_scores(q, k)``; returns the function to use."""
     return check_function("Exercise 0.1", fn, scaled_scores, _cases(), mistakes=MISTAKES)

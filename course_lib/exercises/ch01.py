@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from course_lib.checks import learner_check
 from course_lib.checks import Case, check_function
 from course_lib.constants import LOG2_E
 from course_lib.reference import default_scale, naive_attention_numpy, naive_attention_torch
@@ -157,12 +158,14 @@ def torch_cases(device=None) -> list[Case]:
 
 # ------------------------------------------------------------------------------ the checks
 
+@learner_check
 def check_attention_numpy(fn, **kwargs):
     """Check Exercise 1.1; return ``fn`` (pass) or the library's version (not done yet)."""
     return check_function("Exercise 1.1", fn, reference_attention_numpy, numpy_cases(),
                           fallback=library_attention_numpy, mistakes=MISTAKES_NUMPY, **kwargs)
 
 
+@learner_check
 def check_attention_torch(fn, device=None, **kwargs):
     """Check Exercise 1.2; return ``fn`` (pass) or the library's version (not done yet)."""
     return check_function("Exercise 1.2", fn, reference_attention_torch, torch_cases(device),
@@ -292,6 +295,7 @@ lse = ...                                     # (..., N_q) m + log l
 return ...                                    # o in q's dtype, lse float64'''
 
 
+@learner_check
 def check_standard_attention(fn, **kwargs):
     """Check Exercise 1.3 against :func:`course_lib.reference.naive_attention_numpy`; return
     ``fn`` (pass) or the oracle (not done yet)."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import numbers
 
+from course_lib import checks
+from course_lib.checks import learner_check
 from course_lib import costmodel, hardware
 from course_lib.checks import Case, CapturedOutput, ExerciseFailed, check_function
 
@@ -76,12 +78,14 @@ MISTAKES_QK = {
 }
 
 
+@learner_check
 def check_softmax_intensity(fn, **kwargs):
     """Check Exercise 2.1 against :func:`course_lib.costmodel.softmax_intensity`."""
     return check_function("Exercise 2.1", fn, costmodel.softmax_intensity, CASES,
                           mistakes=MISTAKES_SOFTMAX, **kwargs)
 
 
+@learner_check
 def check_qk_intensity(fn, **kwargs):
     """Check Exercise 2.2 against :func:`course_lib.costmodel.qk_intensity`."""
     return check_function("Exercise 2.2", fn, costmodel.qk_intensity, CASES,
@@ -285,6 +289,7 @@ class _WrongTable(Exception):
     """Raised through check_function when the learner's table is wrong (the lines are kept)."""
 
 
+@learner_check
 def check_cost_table(fn, **kwargs):
     """Check Exercise 2.3 against :func:`reference_cost_table`; return ``fn`` (pass) or the
     reference (not done yet).
@@ -321,14 +326,13 @@ def check_cost_table(fn, **kwargs):
                                 **kwargs)
     except ExerciseFailed:
         if problem:
-            raise ExerciseFailed("\n".join([*problem, *output.excerpt()])) from None
+            raise checks.failed_with(exercise, "\n".join([*problem, *output.excerpt()])) from None
         raise
     if result is compared:
         if not quiet:
-            print("\n".join([f"✓ {exercise}: passed ({len(TABLE_CASES)} cases).",
-                             *output.excerpt()]))
+            checks.passed(exercise, "\n".join([f"✓ {exercise}: passed ({len(TABLE_CASES)} "
+                                               f"cases).", *output.excerpt()]))
         return fn
     if not quiet:
-        print(f"… {exercise}: not done yet — the notebook continues with the library's table "
-              f"(reference_cost_table). Fill in the exercise and re-run this cell.")
+        return checks.not_done(exercise, result)
     return result

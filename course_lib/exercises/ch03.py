@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from course_lib.checks import learner_check
 from course_lib import softmax
 from course_lib.checks import Case, check_function
 
@@ -113,6 +114,7 @@ def _update_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_online_update(fn):
     """Check exercise 3.1, ``online_update(m, l, x_tile) -> (m_new, l_new)``; return the function
     to continue with (the learner's on a pass, the library's when not done yet)."""
@@ -214,6 +216,7 @@ def _merge_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_merge(fn):
     """Check exercise 3.2, ``merge(m_a, l_a, o_a, m_b, l_b, o_b) -> (m, l, o)`` with normalised
     outputs ``o``; return the function to continue with."""
@@ -349,6 +352,7 @@ p = ...                                        # exp(x - m), guarded like shift
 return ...                                     # p / l, zeros where l = 0, x's dtype'''
 
 
+@learner_check
 def check_online_softmax(fn):
     """Check exercise 3.3, ``online_softmax(x, block_size) -> weights`` over the last axis, tile
     by tile; return the function to continue with (the library's when not done yet)."""

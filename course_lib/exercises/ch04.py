@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from course_lib.checks import learner_check
 from course_lib import checks, iomodel, tiled
 from course_lib.checks import Case, check_function
 from course_lib.softmax import correction_factor
@@ -167,6 +168,7 @@ def _reference_forward(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_
     return tiled.flash_attention_numpy(q, k, v, causal, scale, block_m, block_n)
 
 
+@learner_check
 def check_fa2_forward(fn):
     """Exercise 4.1: check ``fa2_forward(q, k, v, causal, scale, block_m, block_n) -> (o, lse)``.
 
@@ -212,6 +214,7 @@ def _skip_cases():
             for n_q, n_k, bm, bn in specs]
 
 
+@learner_check
 def check_causal_skip_grid(fn):
     """Exercise 4.2: check ``causal_skip_grid(n_q, n_k, block_m, block_n) -> bool (T_r, T_c)``."""
     return check_function("Exercise 4.2", fn, iomodel.causal_skip_grid, _skip_cases(),
@@ -258,6 +261,7 @@ def _traffic_cases():
             for n, d, bm, bn in specs]
 
 
+@learner_check
 def check_olm_traffic(fn):
     """Exercise 4.3: check ``olm_traffic(n, d, block_m, block_n) -> (fa1, fa2)``."""
     return check_function("Exercise 4.3", fn, olm_traffic, _traffic_cases(), tolerance=_EXACT,
@@ -434,7 +438,7 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, skip_arrays):
         extra = [line] if line else []
         if cause and not any(text.startswith("  likely cause:") for text in lines):
             extra.append(f"  likely cause: {cause}")
-        raise checks.ExerciseFailed("\n".join(lines[:at] + extra + lines[at:])) from None
+        raise checks.failed_with(exercise, "\n".join(lines[:at] + extra + lines[at:])) from None
     if last.get("not_done"):  # not done yet (on some case): let the check say so, in its words
         def not_done(*args, **kwargs):
             raise NotImplementedError(exercise)
@@ -446,11 +450,11 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, skip_arrays):
         want = _library_reads(library, case)
         if sum(got.values()) > sum(want.values()):
             no_skip = _library_reads(library, case, rule=lambda causal: _ExerciseMask(causal))
-            raise checks.ExerciseFailed("\n".join(
+            raise checks.failed_with(exercise, "\n".join(
                 _read_diagnosis(exercise, case, n, len(cases), got, want, no_skip, skip_arrays)
                 + output.excerpt()))
-    print("\n".join([f"✓ {exercise}: passed ({len(cases)} cases; the causal ones load no "
-                     f"hidden tile).", *output.excerpt()]))
+    checks.passed(exercise, "\n".join([f"✓ {exercise}: passed ({len(cases)} cases; the causal "
+                                       f"ones load no hidden tile).", *output.excerpt()]))
     return fn
 
 
@@ -621,6 +625,7 @@ lse = ...
 return ...'''
 
 
+@learner_check
 def check_flash_forward(fn):
     """Exercise 4.4: check the whole FA2 forward
     ``flash_forward(q, k, v, causal, scale, block_m, block_n) -> (o, lse)``: its numbers on
@@ -633,6 +638,7 @@ def check_flash_forward(fn):
                                 WHOLE_FORWARD_MISTAKES, skip_arrays=("k", "v"))
 
 
+@learner_check
 def check_flash_forward_fa1(fn):
     """Exercise 4.5: check the whole FA1-order forward
     ``flash_forward_fa1(q, k, v, causal, scale, block_m, block_n) -> (o, lse)``, as exercise 4.4.

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from course_lib.checks import learner_check
 from course_lib import checks, primer, runtime
 from course_lib.checks import Case
 from course_lib.kernel_checks import INPUT_MARGIN_REFILL, GuardedRun, Output, check_kernel, embed
@@ -56,6 +57,7 @@ ADD_MISTAKES = {
 }
 
 
+@learner_check
 def check_add_kernel(kernel):
     """Check exercise 5.1; return the learner's kernel or, if not done, the library's."""
     return check_kernel("Exercise 5.1", kernel, add_runner(kernel), primer.vector_add_reference,
@@ -120,6 +122,7 @@ SOFTMAX_MISTAKES = {
 }
 
 
+@learner_check
 def check_softmax_kernel(kernel):
     """Check exercise 5.2; return the learner's kernel or, if not done, the library's."""
     return check_kernel("Exercise 5.2", kernel, softmax_runner(kernel), primer.row_softmax_reference,
@@ -292,6 +295,7 @@ MATMUL_MISTAKES = {
 }
 
 
+@learner_check
 def check_matmul_kernel(kernel):
     """Check exercise 5.3; return the learner's kernel or, if not done, the library's."""
     rt = runtime.current()

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from course_lib.checks import learner_check
 from course_lib import checks, runtime
 from course_lib.checks import TOLERANCES, Case, ExerciseFailed, describe_value
 from course_lib import kernel_checks
@@ -216,6 +217,7 @@ def _natural(update, finish):
     return NATURAL_EXP_PIECES.replace(update=update, finish=finish)
 
 
+@learner_check
 def check_online_softmax(update, finish):
     """Check exercise 6.1; return (update, finish) or, not done yet, the library's."""
     return _check("Exercise 6.1", (update, finish), (update_tile, finish_rows), _natural,
@@ -263,6 +265,7 @@ def _ragged(load, mask):
     return LIBRARY_PIECES.replace(load_tile=load, mask_ragged=mask)
 
 
+@learner_check
 def check_ragged(load, mask):
     """Check exercise 6.2; return (load_tile, mask_ragged) or, not done yet, the library's."""
     return _check(
@@ -341,6 +344,7 @@ def _causal(mask, end):
     return LIBRARY_PIECES.replace(mask_causal=mask, kv_loop_end=end)
 
 
+@learner_check
 def check_causal(mask, end):
     """Check exercise 6.3; return (mask_causal, kv_loop_end) or, not done yet, the library's.
 
@@ -421,6 +425,7 @@ def _exp2(update, finish):
     return LIBRARY_PIECES.replace(update=update, finish=finish)
 
 
+@learner_check
 def check_exp2(update, finish):
     """Check exercise 6.4; return (update, finish) or, not done yet, the library's."""
     return _check("Exercise 6.4", (update, finish), (update_tile_exp2, finish_rows_exp2), _exp2,
@@ -736,6 +741,7 @@ def likely_forward_mistake(got, inputs, causal: bool, mistakes: dict | None = No
     return None
 
 
+@learner_check
 def check_forward_kernel(launcher):
     """Check exercise 6.5; return the learner's launcher or, not done yet, the library's.
 

@@ -40,7 +40,8 @@ import warnings
 
 import numpy as np
 
-from course_lib import runtime
+from course_lib.checks import learner_check
+from course_lib import checks, runtime
 from course_lib import tiled_backward as tb
 from course_lib.checks import (Case, ExerciseFailed, _default_tolerance, check_function, compare,
                                describe_value, to_numpy64)
@@ -131,6 +132,7 @@ def d_cases(seed: int = _SEED) -> list[Case]:
     return cases
 
 
+@learner_check
 def check_compute_d(fn):
     """Exercise 7.1: check the learner's ``compute_d(o, do)``; returns the function to use."""
     return _check("Exercise 7.1", fn, tb.compute_d, d_cases(), D_MISTAKES)
@@ -174,6 +176,7 @@ def ds_cases(seed: int = _SEED + 1) -> list[Case]:
             Case(_ds_args(single, 0, 12, 10, 9), label="12×9 tile, float32")]
 
 
+@learner_check
 def check_ds_tile(fn):
     """Exercise 7.2: check the learner's ``ds_tile(p, dp, d)``; returns the function to use."""
     return _check("Exercise 7.2", fn, tb.ds_tile, ds_cases(), DS_MISTAKES)
@@ -261,6 +264,7 @@ def dk_dv_cases(seed: int = _SEED + 2) -> list[Case]:
             Case(_dk_dv_args(single, 16, 17, 10, 9, rng), label="causal 17×9 tile, float32")]
 
 
+@learner_check
 def check_dk_dv_step(fn):
     """Exercise 7.3: check the learner's ``dk_dv_step(...)``; returns the function to use."""
     return _check("Exercise 7.3", fn, tb.dk_dv_step, dk_dv_cases(), DK_DV_MISTAKES,
@@ -544,6 +548,7 @@ def flash_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n):
 '''
 
 
+@learner_check
 def check_flash_backward(fn):
     """Exercise 7.4: check the learner's ``flash_backward(q, k, v, o, lse, do, causal, scale,
     block_m, block_n) -> (dq, dk, dv)`` (one head, 2-D arrays); returns the function to use
@@ -875,6 +880,7 @@ def _kernel_blocks(case):
     return {"block_m": CHECK_BLOCK, "block_n": CHECK_BLOCK}
 
 
+@learner_check
 def check_backward_kernels(dkdv, dq_kern):
     """Exercise 7.5: check the learner's ``dkdv_kernel`` and ``dq_kernel`` together; returns the
     pair to use (the answer keys :func:`dkdv_kernel`, :func:`dq_kernel` when not done yet)."""
@@ -1014,6 +1020,7 @@ def _train_losses(attention):
                         batch_size=FUNCTION_TRAIN["batch_size"], dataset=data)
 
 
+@learner_check
 def check_autograd_function(fn_cls):
     """Exercise 7.6: check the learner's ``torch.autograd.Function`` (``apply(q, k, v, causal,
     scale) -> o`` on ``(B, H, N, d)`` tensors): o and the gradients against float64 autograd,
@@ -1033,9 +1040,7 @@ def check_autograd_function(fn_cls):
                               names=("o", "dq", "dk", "dv"), blocks_of=_kernel_blocks,
                               quiet=True)
     if chosen is FlashAttentionFunction:
-        print(f"… {exercise}: not done yet — the notebook continues with the library's "
-              f"FlashAttentionFunction. Fill in the exercise and re-run this cell.")
-        return chosen
+        return checks.not_done(exercise, chosen)
 
     def attention(q, k, v):  # (B, H, T, d) -> (B, H, T, d), causal, as tinylm expects
         return fn_cls.apply(q, k, v, True, default_scale(q.shape[-1]))
@@ -1056,8 +1061,9 @@ def check_autograd_function(fn_cls):
                              f"with your Function drifts from SDPA: at step {step} loss "
                              f"{ours[step]:.6f} vs {theirs[step]:.6f} (|Δ| {gaps[step]:.2e} > "
                              f"tolerance {tolerance:g}, tinylm.loss_tolerance)")
-    print(f"✓ {exercise}: passed ({len(cases)} gradient cases; the tiny LM trains like SDPA for "
-          f"{FUNCTION_TRAIN['steps']} steps, max loss gap {max(gaps):.1e} ≤ {tolerance:g}).")
+    checks.passed(exercise, f"✓ {exercise}: passed ({len(cases)} gradient cases; the tiny LM "
+                            f"trains like SDPA for {FUNCTION_TRAIN['steps']} steps, max loss gap "
+                            f"{max(gaps):.1e} ≤ {tolerance:g}).")
     return fn_cls
 
 

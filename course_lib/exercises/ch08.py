@@ -23,6 +23,7 @@ import numpy as np
 
 import torch
 
+from course_lib.checks import learner_check
 from course_lib import checks, constants, decoding, gqa, kvcache, runtime
 from course_lib.checks import Case, check_function
 from course_lib.reference import default_scale
@@ -116,6 +117,7 @@ def _combine_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_combine_splits(fn):
     """Check exercise 8.2, ``combine_splits(m, l, o) -> o`` with ``m, l (S, ...)``,
     ``o (S, ..., d)``; return the function to continue with."""
@@ -166,6 +168,7 @@ def _cache_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_kv_cache_bytes(fn):
     """Check exercise 8.1, ``kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len,
     batch, bytes_per_element) -> int``; return the function to continue with."""
@@ -205,6 +208,7 @@ def _head_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_kv_head_for(fn):
     """Check exercise 8.3, ``kv_head_for(h, n_heads, n_kv_heads)`` on integer arrays ``h``;
     return the function to continue with."""
@@ -391,6 +395,7 @@ def split_kernel_runner(kernel, splits: int):
     return run
 
 
+@learner_check
 def check_split_kv_kernel(kernel):
     """Check exercise 8.4, the split kernel of flash-decoding (signature of
     :func:`course_lib.kernels.decoding.split_kv_kernel`); return the learner's kernel or, when it
@@ -611,6 +616,7 @@ def combine_kernel_runner(kernel, out_dtype):
     return run
 
 
+@learner_check
 def check_combine_kernel(kernel):
     """Check exercise 8.5, the combine kernel of flash-decoding (signature of
     :func:`course_lib.kernels.decoding.combine_kernel`); return the learner's kernel or, when it

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from course_lib.checks import learner_check
 from course_lib import constants, fp8, runtime
 from course_lib.checks import Case, check_function
 from course_lib.kernels.forward import padded_head_dim
@@ -286,6 +287,7 @@ def _rotation_cases() -> list[Case]:
             for q, k, seed, probe, what in cases]
 
 
+@learner_check
 def check_rotate_qk(fn):
     """Check exercise 9.1, ``rotate_qk(q, k, seed) -> (q_rot, k_rot)``; return the learner's
     function, or the library's (:func:`rotate_qk_reference`) when it is not done yet."""
@@ -470,6 +472,7 @@ def _quantize_cases() -> list[Case]:
     ]
 
 
+@learner_check
 def check_quantize_e4m3(fn):
     """Check exercise 9.2, ``quantize_e4m3(x, block) -> (x_fp8, scale)`` (as
     :func:`course_lib.fp8.quantize_e4m3`); return the function to continue with."""
@@ -697,6 +700,7 @@ def _locate_tile(index) -> str:
             f"{col // SCORES_BLOCK_N})")
 
 
+@learner_check
 def check_scores_kernel(kernel):
     """Check exercise 9.3, the descriptor scores kernel (signature of :func:`scores_kernel`);
     return the learner's kernel or, when it is not done yet, :func:`scores_kernel`."""
