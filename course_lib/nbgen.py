@@ -34,6 +34,8 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
 EXERCISE_RE = re.compile(r"^\s*#\s*(Exercise\s+\d+\.\d+\s*:.*?)\s*$")
+EXERCISE_ID_RE = re.compile(r"Exercise\s+(\d+\.\d+)")
+CHECK_CALL_RE = re.compile(r"\b(ch\d\d\.check_\w+)\s*\(")
 ROOT = Path(__file__).resolve().parent.parent
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
@@ -86,6 +88,30 @@ def strip_solutions(source: str, where: str) -> str:
     if inside:
         raise NotebookError(f"{where}: '{BEGIN}' is never closed by '{END}'")
     return "\n".join(out)
+
+
+def exercise_cells(nb: dict) -> list[tuple[str, int, int | None]]:
+    """``(exercise, cell, check_cell)`` for each exercise cell of ``nb`` (a code cell holding a
+    solution block under ``# Exercise N.M: ...``), in notebook order: ``exercise`` is ``"N.M"``,
+    ``check_cell`` the index of the first code cell after it that calls a check
+    (``chNN.check_...(``), or None when none does before the next exercise cell."""
+    cells = nb["cells"]
+    found = []
+    for i, cell in enumerate(cells):
+        src = _source(cell)
+        if cell.get("cell_type") != "code" or BEGIN not in src:
+            continue
+        heads = [EXERCISE_ID_RE.search(m.group(1)) for m in map(EXERCISE_RE.match, src.split("\n")) if m]
+        if not heads or not heads[0]:
+            continue
+        found.append([heads[0].group(1), i, None])
+    for n, entry in enumerate(found):
+        stop = found[n + 1][1] if n + 1 < len(found) else len(cells)
+        for j in range(entry[1] + 1, stop):
+            if cells[j].get("cell_type") == "code" and CHECK_CALL_RE.search(_source(cells[j])):
+                entry[2] = j
+                break
+    return [tuple(e) for e in found]
 
 
 def load_notebook(path: Path) -> dict:
