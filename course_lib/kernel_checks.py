@@ -254,7 +254,7 @@ class MemoryGuard:
     def explain(self, op: str, address: int, n_bad: int, n_lanes: int, write: bool,
                 program: tuple) -> str:
         pid = ", ".join(str(int(i)) for i in program)
-        head = (f"your kernel's {op} in program (pid {pid}) would {'write' if write else 'read'} "
+        head = (f"your kernel's {op} in program id ({pid}) would {'write' if write else 'read'} "
                 f"{n_bad} of its {n_lanes} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
         where, why = self._locate(address, write)
@@ -287,7 +287,9 @@ class MemoryGuard:
                     continue
                 idx, ok = r.index_of(a, strides=other.strides)
                 if ok[0]:
-                    return (f"{address - r.base:+d} bytes from the start of `{r.name}`",
+                    where = tuple(int(i[0]) for i in idx)
+                    return (f"element {(address - r.base) // r.itemsize:+d} from the start of "
+                            f"`{r.name}` = index {where} with `{other.name}`'s strides",
                             f"that offset is an element of `{r.name}` indexed with `{other.name}`'s "
                             f"strides {other.strides}: use `{r.name}`'s own strides "
                             f"{r.strides} for `{r.name}`")
@@ -361,6 +363,11 @@ def memory_guard():
             setattr(builder, name, fn)
     try:
         yield guard
+    except Exception as exc:  # Triton wraps it in an InterpreterError: hand on the guard's own
+        violation = next((e for e in exception_chain(exc) if isinstance(e, MemoryViolation)), None)
+        if violation is None or violation is exc:
+            raise
+        raise violation from None
     finally:
         _ACTIVE_GUARDS.pop()
         if outer:

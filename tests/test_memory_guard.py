@@ -1,0 +1,144 @@
+"""The memory guard: in Triton's interpreter every load, store and atomic of a learner's kernel
+is checked against the tensors the check handed it, before the access (issue 19)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from course_lib import kernel_checks, runtime
+from course_lib.kernel_checks import MemoryViolation, memory_guard
+
+pytestmark = pytest.mark.skipif(not runtime.current().interpreted,
+                                reason="the guard checks accesses in Triton's interpreter only")
+
+
+@triton.jit
+def copy_kernel(x_ptr, y_ptr, n, stride_x, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                SHIFT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if MASKED:
+        x = tl.load(x_ptr + (offs + SHIFT) * stride_x, mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + (offs + SHIFT) * stride_x)
+    tl.store(y_ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def discarding_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)  # reads past the end ...
+    tl.store(y_ptr + offs, tl.where(offs < n, x, 0.0), mask=offs < n)  # ... then discards it
+
+
+@triton.jit
+def store_into_input_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, x * 2, mask=offs < n)  # the wrong pointer
+
+
+@triton.jit
+def rows_kernel(a_ptr, out_ptr, n_cols, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + row * stride_row + cols, mask=cols < n_cols)
+    tl.store(out_ptr + row * n_cols + cols, a, mask=cols < n_cols)
+
+
+def run_copy(x, y, masked=True, shift=0, block=16):
+    n = y.numel()
+    with memory_guard() as guard:
+        guard.allow("x", x)
+        guard.allow("y", y, write=True)
+        copy_kernel[(triton.cdiv(n, block),)](x, y, n, x.stride(0), BLOCK=block, MASKED=masked,
+                                              SHIFT=shift)
+
+
+def test_a_masked_kernel_runs_untouched():
+    x = torch.randn(37)
+    y = torch.empty(37)
+    run_copy(x, y)
+    assert torch.equal(x, y)
+
+
+def test_a_strided_input_is_checked_element_by_element():
+    base = torch.randn(37, 3)
+    x = base[:, 1]  # stride 3: the elements between are not x's
+    y = torch.empty(37)
+    run_copy(x, y)
+    assert torch.equal(x, y)
+
+
+def test_an_unmasked_load_past_the_end_is_stopped_before_it_happens():
+    x, y = torch.randn(37), torch.empty(37)
+    with pytest.raises(MemoryViolation) as info:
+        run_copy(x, y, masked=False)
+    msg = str(info.value)
+    assert "tl.load" in msg and "program id (2, 0, 0)" in msg and "`x`" in msg, msg
+    assert "index 37" in msg or "index (37,)" in msg, msg
+    assert "mask" in msg
+
+
+def test_a_read_whose_value_is_discarded_still_fails():
+    x, y = torch.randn(37), torch.empty(37)
+    with pytest.raises(MemoryViolation, match="tl.load"):
+        with memory_guard() as guard:
+            guard.allow("x", x)
+            guard.allow("y", y, write=True)
+            discarding_kernel[(3,)](x, y, 37, BLOCK=16)
+
+
+def test_a_store_into_an_input_is_refused_and_the_input_is_unchanged():
+    x, y = torch.randn(37), torch.empty(37)
+    before = x.clone()
+    with pytest.raises(MemoryViolation) as info:
+        with memory_guard() as guard:
+            guard.allow("x", x)
+            guard.allow("y", y, write=True)
+            store_into_input_kernel[(3,)](x, y, 37, BLOCK=16)
+    assert "`x` is an input" in str(info.value)
+    assert torch.equal(x, before)
+
+
+def test_an_address_far_away_is_stopped_without_harm():
+    x, y = torch.randn(37), torch.empty(37)
+    with pytest.raises(MemoryViolation) as info:
+        run_copy(x, y, shift=10**9)  # would be a segmentation fault without the guard
+    assert "outside every tensor" in str(info.value)
+
+
+def test_another_tensors_stride_is_named():
+    a = torch.randn(5, 7)
+    b = torch.randn(5, 11)
+    out = torch.empty(5, 7)
+    with pytest.raises(MemoryViolation) as info:
+        with memory_guard() as guard:
+            guard.allow("a", a)
+            guard.allow("b", b)
+            guard.allow("out", out, write=True)
+            rows_kernel[(5,)](a, out, 7, b.stride(0), BLOCK=8)  # a's rows with b's row stride
+    msg = str(info.value)
+    assert "`a`" in msg and "strides" in msg and "(11, 1)" in msg, msg
+
+
+def test_the_guarded_run_reports_the_guard_diagnosis():
+    run = kernel_checks.GuardedRun(
+        launch=lambda x, y: copy_kernel[(3,)](x, y, 37, x.stride(0), BLOCK=16, MASKED=False,
+                                                 SHIFT=0),
+        margins=[(5,)], outputs=[kernel_checks.Output("y", (5,))])
+    with pytest.raises(Exception) as info:
+        run(torch.randn(37))
+    chain = kernel_checks.exception_chain(info.value)
+    assert any(isinstance(e, MemoryViolation) for e in chain)
+
+
+def test_no_guard_outside_the_block():
+    x, y = torch.randn(37), torch.empty(37)
+    with memory_guard():
+        pass
+    copy_kernel[(3,)](x, y, 37, 1, BLOCK=16, MASKED=True, SHIFT=0)  # unguarded, fine
+    assert torch.equal(x, y)

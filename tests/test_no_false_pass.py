@@ -1,0 +1,159 @@
+"""No false ✓: a check never passes the library's own code, whatever cell the learner re-runs.
+
+A check cell reads ``answer = chNN.check_answer(answer)``. When the exercise is not done, the
+check hands the library's version back, so ``answer`` is then the library's. Re-running only the
+check cell (after editing the exercise cell without running it) must say "not done yet — run the
+exercise cell, then this one", never ✓. Checked for every check of every chapter (in-process) and
+end to end in real kernels on two learner notebooks (nbclient), as a learner would do it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from course_lib import checks, softmax
+from course_lib.checks import ExerciseFailed
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = [f"ch{n:02d}" for n in range(10)]
+CHECK_CELL = re.compile(r"\bch\d\d\.check_\w+\(")
+
+
+def all_checks():
+    found = []
+    for chapter in CHAPTERS:
+        module = importlib.import_module(f"course_lib.exercises.{chapter}")
+        for name, fn in vars(module).items():
+            if name.startswith("check_") and inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                found.append(pytest.param(fn, id=f"{chapter}.{name}"))
+    return found
+
+
+@pytest.mark.parametrize("check", all_checks())
+def test_every_check_is_a_learner_check(check):
+    assert getattr(check, "__learner_check__", False), (
+        f"{check.__name__} lacks @learner_check: re-running its cell could pass the library's code")
+
+
+@pytest.mark.library_answers_refused
+@pytest.mark.parametrize("check", all_checks())
+def test_a_check_handed_the_library_version_says_not_done(check, capsys, tmp_path, monkeypatch):
+    """Whatever library object comes back into a check (here: one of the library's functions, in
+    every argument), the check prints "not done yet" with what to do, records it, never ✓."""
+    log = tmp_path / "grades.jsonl"
+    monkeypatch.setenv(checks.GRADE_LOG_ENV, str(log))
+    params = [p for p in inspect.signature(check).parameters.values()
+              if p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    check(*[softmax.online_softmax] * len(params))
+    out = capsys.readouterr().out
+    assert "✓" not in out
+    assert "not done yet" in out and "still the library's version" in out, out
+    assert "Run the exercise cell" in out
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows and all(r["status"] == "not done" for r in rows)
+
+
+def test_library_answers_are_told_apart_from_learner_answers():
+    assert checks.is_library_object(softmax.online_softmax)
+    from course_lib import primer
+    assert checks.is_library_object(primer.add_kernel)  # a Triton JITFunction: its .fn's module
+
+    def mine(x, block_size):
+        return softmax.online_softmax(x, block_size)  # uses the library, but is the learner's
+    assert not checks.is_library_object(mine)
+    assert not checks.is_library_object(3) and not checks.is_library_object(None)
+
+
+def test_strict_mode_makes_not_done_a_failure(monkeypatch, capsys):
+    from course_lib.exercises import ch03
+
+    def stub(m, l, x_tile):
+        raise NotImplementedError("Exercise 3.1")
+
+    assert ch03.check_online_update(stub) is softmax.online_update  # not done: the library's
+    assert "not done yet" in capsys.readouterr().out
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    with pytest.raises(ExerciseFailed, match="COURSE_STRICT=1"):
+        ch03.check_online_update(stub)
+
+
+def test_every_outcome_is_recorded_for_grading(monkeypatch, tmp_path, capsys):
+    from course_lib.exercises import ch03
+
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv(checks.GRADE_LOG_ENV, str(log))
+
+    def stub(m, l, x_tile):
+        raise NotImplementedError
+
+    def no_rescale(m, l, x_tile):
+        import numpy as np
+        m_new = np.maximum(m, x_tile.max(-1))
+        return m_new, l + np.exp(x_tile - m_new[..., None]).sum(-1)
+
+    ch03.check_online_update(stub)
+    ch03.check_online_update(softmax.online_update.__wrapped__
+                             if hasattr(softmax.online_update, "__wrapped__") else
+                             (lambda m, l, x: softmax.online_update(m, l, x)))
+    with pytest.raises(ExerciseFailed):
+        ch03.check_online_update(no_rescale)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["exercise"], r["status"]) for r in rows] == [
+        ("Exercise 3.1", "not done"), ("Exercise 3.1", "passed"), ("Exercise 3.1", "wrong")]
+    assert "likely cause" in rows[-1]["message"]
+
+
+# ---- end to end, in real kernels, as a learner does it ------------------------------------------
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif out.get("output_type") == "error":
+            parts.append("\n".join(out.get("traceback", [])))
+        else:
+            parts.append(str(out.get("data", {}).get("text/plain", "")))
+    return "".join(parts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["00_setup_and_roadmap", "03_online_softmax"])
+def test_rerunning_only_the_check_cell_never_passes(name):
+    """Run the learner notebook top to bottom; after every check cell (the stub untouched: "not
+    done yet"), run that check cell again, as a learner who edited the exercise cell but did not
+    run it would: still "not done yet", never ✓."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = ROOT / "notebooks" / f"{name}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    seen = 0
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            client.execute_cell(cell, index)
+            if not CHECK_CELL.search(cell.source):
+                continue
+            first = _text(cell)
+            if "not done yet" not in first:  # a cell that shows a wrong answer on purpose
+                continue
+            assert "✓" not in first, first
+            again = copy.deepcopy(cell)
+            client.execute_cell(again, index)
+            second = _text(again)
+            assert "✓" not in second, second
+            assert "still the library's version" in second and "Run the exercise cell" in second
+            seen += 1
+    assert seen >= 1
