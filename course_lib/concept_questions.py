@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from course_lib import constants, costmodel, hardware, iomodel, kvcache, softmax
-from course_lib.widgets.quiz import MultipleChoice, Numeric, WrongAnswer
+from course_lib.quiz_types import MultipleChoice, Numeric, WrongAnswer
 
 __all__ = ["CHAPTERS", "questions", "all_questions"]
 

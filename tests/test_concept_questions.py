@@ -137,3 +137,19 @@ def test_every_numeric_answer_is_checked_here(chapter):
     count = sum(isinstance(q, Numeric) for q in concept_questions.questions(chapter))
     assert count == checked[chapter], (f"chapter {chapter} has {count} numeric questions; "
                                        f"{checked[chapter]} are recomputed in this file")
+
+
+def test_the_questions_import_no_widget_module():
+    """No import cycle: the questions need only the question types (course_lib.quiz_types); the
+    quiz widget imports the questions, never the other way round."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import course_lib.concept_questions as cq; "
+            "assert 'course_lib.widgets.quiz' not in sys.modules, 'widget module imported'; "
+            "assert 'ipywidgets' not in sys.modules, 'ipywidgets imported'; "
+            "from course_lib.widgets import quiz; "
+            "assert quiz.MultipleChoice is cq.MultipleChoice; "
+            "assert len(quiz.concept_check('08').views) == len(cq.questions('08'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -193,3 +193,12 @@ def test_a_concept_check_needs_questions_of_the_known_types():
         ConceptCheck([])
     with pytest.raises(ValueError, match="question 1 must be a MultipleChoice or a Numeric, got str"):
         ConceptCheck([make_mc(), "What is attention?"])
+
+
+def test_question_types_are_re_exported_from_quiz_types():
+    from course_lib import quiz_types
+    from course_lib.widgets import quiz
+
+    for name in ("MultipleChoice", "Numeric", "WrongAnswer", "Feedback", "MAX_CHOICE_CHARS",
+                 "DEFAULT_REL_TOL", "RIGHT_MARK", "WRONG_MARK"):
+        assert getattr(quiz, name) is getattr(quiz_types, name), name
