@@ -248,20 +248,23 @@ class MemoryGuard:
         if ok.all():
             return
         bad = lanes[~ok]
-        raise MemoryViolation(self.explain(op, int(bad[0]), int(bad.size), int(lanes.size),
-                                           write, program))
+        raise MemoryViolation(self.explain(op, bad, int(lanes.size), write, program))
 
-    def explain(self, op: str, address: int, n_bad: int, n_lanes: int, write: bool,
+    def explain(self, op: str, bad: np.ndarray, n_lanes: int, write: bool,
                 program: tuple) -> str:
+        n_bad = int(bad.size)
         pid = ", ".join(str(int(i)) for i in program)
         head = (f"your kernel's {op} in program id ({pid}) would {'write' if write else 'read'} "
                 f"{n_bad} of its {n_lanes} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
-        where, why = self._locate(address, write)
+        where, why = self._locate(bad, write)
         return f"{head}\n  first bad lane: {where}\n  {why}"
 
-    def _locate(self, address: int, write: bool) -> tuple[str, str]:
-        a = np.array([address])
+    def _locate(self, bad: np.ndarray, write: bool) -> tuple[str, str]:
+        """Where the first bad lane points and what the offsets of all bad lanes suggest: each
+        explanation is kept only when every bad lane of the access fits it."""
+        address = int(bad[0])
+        a = bad[:1]
         # 1. inside a tensor the kernel may only read: a store into an input
         for r in self.regions:
             if r.contains(a)[0]:
@@ -269,34 +272,43 @@ class MemoryGuard:
                 return (f"element {idx} of `{r.name}`",
                         f"`{r.name}` is an input (read-only): tl.store only to the output "
                         f"pointer(s); two pointer arguments swapped?")
-        # 2. inside a tensor's allocation but past its view (its margin)
-        for r in self.regions:
-            if r.in_storage(address) and address >= r.base:
-                idx = [int(i[0]) for i in r.index_of(a)[0]]
-                over = [f"dim {d} index {i} ≥ its size {n}" for d, (i, n) in
-                        enumerate(zip(idx, r.shape)) if i >= n]
-                return (f"`{r.name}` {tuple(r.shape)} at index {tuple(idx)}"
-                        f" ({'; '.join(over) or 'between its rows'})",
-                        f"past the end of `{r.name}` along that dim: a lane past the last "
-                        f"row/column needs a mask on the {'tl.store' if write else 'tl.load'} "
-                        f"(mask=offs < n{'' if write else ', other=0.0'})")
+        nearest = sorted((r for r in self.regions if r.base <= address), key=lambda r: -r.base)
+        # 2. just past the end of the nearest tensor along some dims (within one more extent)
+        past = None
+        for r in nearest[:1]:
+            index, _ = r.index_of(bad)
+            aligned = (bad.astype(np.int64) - r.base) % r.itemsize == 0
+            fits = aligned.all() and all((i < 2 * n).all() for i, n in zip(index, r.shape))
+            if fits:
+                idx = [int(i[0]) for i in index]
+                over = [(d, i, n) for d, (i, n) in enumerate(zip(idx, r.shape)) if i >= n]
+                text = "; ".join(f"dim {d} index {i} ≥ its size {n}" for d, i, n in over)
+                past = (f"`{r.name}` {tuple(r.shape)} at index {tuple(idx)} ({text})",
+                        f"past the end of `{r.name}`: lanes past the last row/column need a "
+                        f"mask on the {'tl.store' if write else 'tl.load'} (mask=offs < n"
+                        f"{'' if write else ', other=0.0'}), or an offset is too large")
         # 3. one tensor's base with another tensor's strides
-        for r in self.regions:
+        for r in nearest[:1]:
             for other in self.regions:
-                if other is r or other.strides == r.strides:
+                if other is r or other.strides == r.strides or len(other.strides) != len(r.shape):
                     continue
-                idx, ok = r.index_of(a, strides=other.strides)
-                if ok[0]:
-                    where = tuple(int(i[0]) for i in idx)
+                idx, ok = r.index_of(bad, strides=other.strides)
+                if not ok.all():
+                    continue
+                where = tuple(int(i[0]) for i in idx)
+                strides = (f"these offsets are elements of `{r.name}` indexed with "
+                           f"`{other.name}`'s strides {other.strides}: use `{r.name}`'s own "
+                           f"strides {r.strides} for `{r.name}`")
+                if past is None:
                     return (f"element {(address - r.base) // r.itemsize:+d} from the start of "
-                            f"`{r.name}` = index {where} with `{other.name}`'s strides",
-                            f"that offset is an element of `{r.name}` indexed with `{other.name}`'s "
-                            f"strides {other.strides}: use `{r.name}`'s own strides "
-                            f"{r.strides} for `{r.name}`")
+                            f"`{r.name}` = index {where} with `{other.name}`'s strides", strides)
+                # both fit the evidence: say both, guess neither
+                return past[0], (f"either {past[1]};\n  or {strides} (both fit these "
+                                 f"offsets)")
+        if past:
+            return past
         # 4. elsewhere: name the nearest tensor that starts before it
-        before = [r for r in self.regions if r.base <= address]
-        near = max(before, key=lambda r: r.base) if before else min(self.regions,
-                                                                     key=lambda r: r.base)
+        near = nearest[0] if nearest else min(self.regions, key=lambda r: r.base)
         elements = (address - near.base) / near.itemsize
         return (f"{elements:+.0f} elements from the start of `{near.name}` {tuple(near.shape)}, "
                 f"outside every tensor the kernel was given",
