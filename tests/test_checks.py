@@ -332,3 +332,98 @@ def test_a_short_print_is_shown_in_full(capsys):
     check_function("Exercise 9.9", prints_shape, ref, cases())
     assert capsys.readouterr().out.splitlines() == [
         "✓ Exercise 9.9: passed (2 cases).", "  your function printed:", "  | (3, 7)", "  | (5, 13)"]
+
+
+# ---- issue 19: causes from evidence -----------------------------------------------------------
+
+def _softmax_rows(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _evidence_cases():
+    rng = np.random.default_rng(19)
+    big = 800.0 + rng.normal(size=(3, 6))
+    masked = rng.normal(size=(4, 5))
+    masked[1] = -np.inf
+    return [Case((rng.normal(size=(2, 7)),), label="small"), Case((big,), label="scores near 800"),
+            Case((masked,), label="row 1 fully masked")]
+
+
+def _safe_softmax(x):
+    m = x.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    s = e.sum(-1, keepdims=True)
+    return np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0)
+
+
+def test_a_crash_names_the_learners_line_not_numpys():
+    def crashes(x):
+        w = np.ones((3, 3))
+        return x @ w  # shapes do not line up
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", crashes, _safe_softmax, _evidence_cases())
+    msg = str(info.value)
+    assert "`return x @ w  # shapes do not line up`" in msg
+    assert "numpy" not in msg.split("raised", 1)[1].lower().replace("numpy operations", "")
+
+
+def test_nan_from_a_fully_masked_row_is_traced_to_the_subtraction():
+    def no_guard(x):
+        m = x.max(-1, keepdims=True)
+        e = np.exp(x - m)
+        return e / e.sum(-1, keepdims=True)
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", no_guard, _safe_softmax, _evidence_cases())
+    msg = str(info.value)
+    assert "row 1 fully masked" in msg
+    assert "invalid value encountered in subtract" in msg and "`e = np.exp(x - m)`" in msg
+    assert "likely cause" not in msg  # no mistake models given: nothing guessed
+
+
+def test_overflow_is_traced_to_the_exp():
+    def no_max(x):
+        e = np.exp(x)
+        return e / e.sum(-1, keepdims=True)
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", no_max, _safe_softmax, _evidence_cases()[:2])
+    msg = str(info.value)
+    assert "overflow encountered in exp" in msg and "`e = np.exp(x)`" in msg
+
+
+def test_torch_nan_is_traced_to_its_first_operation():
+    import torch
+
+    def ref(x):
+        return torch.softmax(x, -1)
+
+    def no_max(x):
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+    cases = [Case((torch.randn(3, 4, dtype=torch.float64) + 900,), label="near 900")]
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", no_max, ref, cases)
+    msg = str(info.value)
+    assert "the first inf came from torch's exp" in msg and "`e = torch.exp(x)`" in msg
+    assert "then the first NaN came from torch's" in msg
+
+
+def test_a_cause_is_named_only_when_one_model_fits_every_case():
+    def no_rescale_like(x):  # wrong only by a factor of 2 on every row
+        return _safe_softmax(x) * 2
+
+    models = {"times two": lambda x: _safe_softmax(x) * 2,
+              "times two on the first case only, right elsewhere":
+                  lambda x: _safe_softmax(x) * (2 if x.shape == (2, 7) else 1)}
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", no_rescale_like, _safe_softmax, _evidence_cases(),
+                       mistakes=models)
+    msg = str(info.value)
+    assert "likely cause: times two" in msg and "first case only" not in msg
+    twins = {"A": lambda x: _safe_softmax(x) * 2, "B": lambda x: 2 * _safe_softmax(x)}
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", no_rescale_like, _safe_softmax, _evidence_cases(),
+                       mistakes=twins)
+    msg = str(info.value)
+    assert "likely cause" not in msg and "does not tell them apart" in msg
