@@ -14,6 +14,11 @@ indentation, so a block's code must not dedent below its marker (an answer that 
 body and the lines after the loop is two blocks, one at each indentation). Outputs, execution counts and widget state are cleared, except the text outputs of
 cells marked ``# NBVAL_CHECK_OUTPUT``: those are the expected values nbval compares against.
 
+The generator also stamps ``solutions/`` with nbgrader cell metadata (:func:`stamp_nbgrader`:
+each exercise cell a solution cell, the cell calling its check an autograded test cell), so
+``nbgrader generate_assignment`` accepts the solution notebooks; the learner notebooks carry the
+same metadata, so nbgrader can also autograde submissions of ``notebooks/``.
+
 Usage::
 
     python -m course_lib.nbgen            # write notebooks/ from solutions/
@@ -114,6 +119,45 @@ def exercise_cells(nb: dict) -> list[tuple[str, int, int | None]]:
     return [tuple(e) for e in found]
 
 
+NBGRADER_ID_RE = re.compile(r"^(exercise|check)_\d+_\d+$")
+
+
+def _nbgrader(grade_id: str, *, solution: bool, grade: bool, points: float | None = None) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": not solution, "schema_version": 3,
+            "solution": solution, "task": False}
+    if grade:
+        meta["points"] = points
+    return meta
+
+
+def stamp_nbgrader(nb: dict) -> dict:
+    """Give ``nb``'s exercise cells the cell metadata ``nbgrader generate_assignment`` needs.
+
+    Each exercise cell (a solution block under ``# Exercise N.M:``) becomes an nbgrader solution
+    cell with grade_id ``exercise_N_M``; the cell that calls its check becomes a locked,
+    autograded test cell ``check_N_M`` worth 1 point (or the points an instructor already gave
+    it). Other cells are left alone, except that an id of this form on a cell that is no longer
+    an exercise or a check is removed. Stamping a stamped notebook changes nothing. Returns a copy.
+    """
+    out = copy.deepcopy(nb)
+    cells = out["cells"]
+    wanted: dict[int, dict] = {}
+    for ex, i, check in exercise_cells(out):
+        tag = ex.replace(".", "_")
+        wanted[i] = _nbgrader(f"exercise_{tag}", solution=True, grade=False)
+        if check is not None:
+            old = cells[check].get("metadata", {}).get("nbgrader", {}).get("points")
+            points = old if isinstance(old, (int, float)) and not isinstance(old, bool) and old >= 0 else 1
+            wanted[check] = _nbgrader(f"check_{tag}", solution=False, grade=True, points=points)
+    for i, cell in enumerate(cells):
+        meta = cell.setdefault("metadata", {})
+        if i in wanted:
+            meta["nbgrader"] = wanted[i]
+        elif NBGRADER_ID_RE.match(str(meta.get("nbgrader", {}).get("grade_id", ""))):
+            del meta["nbgrader"]
+    return out
+
+
 def load_notebook(path: Path) -> dict:
     """Read a notebook's JSON; a corrupt file raises NotebookError naming it."""
     try:
@@ -182,14 +226,21 @@ def dumps(nb: dict) -> str:
 
 
 def build(solutions: Path, notebooks: Path, check: bool = False) -> list[str]:
-    """Generate (or with ``check`` compare) every notebook; return the out-of-step names."""
+    """Stamp the solutions' nbgrader metadata and generate every learner notebook (with
+    ``check``, only compare); return the out-of-step names (a solution notebook whose metadata
+    was missing or stale is listed as ``solutions/NAME (nbgrader metadata)``)."""
     stale = []
     sources = sorted(Path(solutions).glob("*.ipynb"))
     if not sources:
         raise NotebookError(f"{solutions}: no .ipynb files found")
     expected_names = {p.name for p in sources}
     for path in sources:
-        text = dumps(generate(load_notebook(path), path.name))
+        stamped = stamp_nbgrader(load_notebook(path))
+        if json.loads(path.read_text(encoding="utf-8")) != stamped:
+            stale.append(f"solutions/{path.name} (nbgrader metadata)")
+            if not check:
+                path.write_text(dumps(stamped), encoding="utf-8")
+        text = dumps(generate(stamped, path.name))
         target = Path(notebooks) / path.name
         current = target.read_text(encoding="utf-8") if target.exists() else None
         if current != text:
@@ -237,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         for name in stale:
-            print(f"out of step: notebooks/{name} — run `python -m course_lib.nbgen`", file=sys.stderr)
+            where = name if name.startswith("solutions/") else f"notebooks/{name}"
+            print(f"out of step: {where} — run `python -m course_lib.nbgen`", file=sys.stderr)
         if not stale:
             print(f"notebooks/ is in step with solutions/")
         return 1 if stale else 0

@@ -1,6 +1,7 @@
 """The notebook generator: stripping, clearing, --check, and its errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -91,9 +92,17 @@ def test_build_and_check_cycle(tmp_path):
     sol, nbs = tmp_path / "solutions", tmp_path / "notebooks"
     sol.mkdir()
     _write(sol / "01_a.ipynb", [new_code_cell(SOLVED)])
-    assert nbgen.build(sol, nbs, check=True) == ["01_a.ipynb"]  # missing
-    assert nbgen.build(sol, nbs) == ["01_a.ipynb"]
+    stale = ["solutions/01_a.ipynb (nbgrader metadata)", "01_a.ipynb"]
+    before = (sol / "01_a.ipynb").read_text()
+    assert nbgen.build(sol, nbs, check=True) == stale  # missing, and the solution not yet stamped
+    assert (sol / "01_a.ipynb").read_text() == before  # --check writes nothing
+    assert nbgen.build(sol, nbs) == stale
     assert nbgen.build(sol, nbs, check=True) == []
+    # the solution is stamped, and the learner notebook carries the same metadata
+    stamped = json.loads((sol / "01_a.ipynb").read_text())["cells"][0]["metadata"]["nbgrader"]
+    assert stamped["grade_id"] == "exercise_3_1" and stamped["solution"] is True
+    learner = json.loads((nbs / "01_a.ipynb").read_text())["cells"][0]
+    assert learner["metadata"]["nbgrader"] == stamped and "m_new" not in nbgen._source(learner)
     # a hand edit of the learner notebook is detected
     target = nbs / "01_a.ipynb"
     target.write_text(target.read_text().replace("running update", "edited"))
@@ -139,3 +148,80 @@ def test_every_solution_notebook_has_matching_learner_exercises():
         n_stubs = sum(nbgen._source(c).count("raise NotImplementedError(\"Exercise")
                       for c in learner["cells"])
         assert n_blocks == n_stubs, path.name
+
+
+# --------------------------------------------------------------------------------------------
+# nbgrader metadata (what `nbgrader generate_assignment` needs: its schema version 3)
+# --------------------------------------------------------------------------------------------
+
+NBGRADER_KEYS = {"schema_version", "grade", "locked", "solution", "task", "grade_id", "points"}
+
+
+def _assert_valid_nbgrader(nb, name):
+    """The rules nbgrader 0.9's MetadataValidatorV3 and ClearSolutions apply, restated."""
+    ids = []
+    for i, cell in enumerate(nb["cells"]):
+        meta = cell.get("metadata", {}).get("nbgrader")
+        src = nbgen._source(cell)
+        if nbgen.BEGIN in src:  # "Solution region detected in a non-solution cell" otherwise
+            assert meta and meta["solution"] is True, f"{name}, cell {i}"
+        if meta is None:
+            continue
+        assert set(meta) <= NBGRADER_KEYS and {"schema_version", "grade", "locked", "solution"} <= set(meta)
+        assert meta["schema_version"] == 3
+        assert re.fullmatch(r"[a-zA-Z0-9_\-]+", meta["grade_id"])
+        if meta["grade"]:
+            assert isinstance(meta["points"], (int, float)) and meta["points"] >= 0
+        else:
+            assert "points" not in meta
+        assert cell["cell_type"] == "code"  # markdown solution/grade cells have further rules
+        ids.append(meta["grade_id"])
+    assert len(ids) == len(set(ids)), f"{name}: duplicate grade ids {ids}"
+    return ids
+
+
+@pytest.mark.parametrize("path", sorted((nbgen.ROOT / "solutions").glob("*.ipynb")), ids=lambda p: p.name[:2])
+def test_stamped_solutions_are_what_nbgrader_needs(path):
+    """Stamped in memory (the repository's files are not written): every exercise cell becomes a
+    solution cell, the cell calling its check a locked test cell worth 1 point; nothing else
+    changes, and stamping again changes nothing."""
+    nb = nbgen.load_notebook(path)
+    for cell in nb["cells"]:  # as if never stamped
+        cell.get("metadata", {}).pop("nbgrader", None)
+    stamped = nbgen.stamp_nbgrader(nb)
+    assert nbgen.stamp_nbgrader(stamped) == stamped
+    ids = _assert_valid_nbgrader(stamped, path.name)
+    exercises = nbgen.exercise_cells(nb)
+    assert exercises and len(ids) == 2 * len(exercises)  # every exercise has its check cell
+    for ex, i, check in exercises:
+        tag = ex.replace(".", "_")
+        assert stamped["cells"][i]["metadata"]["nbgrader"] == {
+            "grade": False, "grade_id": f"exercise_{tag}", "locked": False, "schema_version": 3,
+            "solution": True, "task": False}
+        assert stamped["cells"][check]["metadata"]["nbgrader"] == {
+            "grade": True, "grade_id": f"check_{tag}", "locked": True, "points": 1,
+            "schema_version": 3, "solution": False, "task": False}
+        assert f".check_" in nbgen._source(stamped["cells"][check])
+    touched = {i for _, i, _ in exercises} | {c for _, _, c in exercises}
+    for i, (a, b) in enumerate(zip(nb["cells"], stamped["cells"])):
+        if i not in touched:
+            assert a == b, f"{path.name}, cell {i} changed"
+        else:
+            assert {k: v for k, v in a.items() if k != "metadata"} == {k: v for k, v in b.items() if k != "metadata"}
+
+
+def test_stamping_keeps_an_instructors_points_and_drops_stale_ids():
+    nb = new_notebook(cells=[new_code_cell(SOLVED), new_code_cell("update = ch03.check_online_update(update)"),
+                             new_code_cell("print('a cell that used to be a check')")])
+    nb.cells[1].metadata["nbgrader"] = {"grade": True, "grade_id": "check_3_1", "locked": True,
+                                        "points": 4, "schema_version": 3, "solution": False}
+    nb.cells[2].metadata["nbgrader"] = {"grade": True, "grade_id": "check_3_9", "locked": True,
+                                        "points": 1, "schema_version": 3, "solution": False}
+    manual = {"grade": True, "grade_id": "essay_1", "locked": False, "points": 2,
+              "schema_version": 3, "solution": True}
+    nb.cells.append(new_markdown_cell("Explain.", metadata={"nbgrader": manual}))
+    out = nbgen.stamp_nbgrader(nb)
+    assert out["cells"][1]["metadata"]["nbgrader"]["points"] == 4
+    assert "nbgrader" not in out["cells"][2]["metadata"]
+    assert out["cells"][3]["metadata"]["nbgrader"] == manual  # an instructor's own cell stays
+    assert nb.cells[2].metadata["nbgrader"]["grade_id"] == "check_3_9"  # the input is not modified
