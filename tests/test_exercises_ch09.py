@@ -14,6 +14,7 @@ import triton.language as tl
 from course_lib import fp8
 from course_lib.checks import ExerciseFailed
 from course_lib.exercises import ch09
+from course_lib.kernels import hopper
 
 pytestmark = pytest.mark.ch09
 
@@ -151,11 +152,14 @@ def test_hint_ladders_and_skeletons(name, hints, skeleton, words):
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 9.3: the descriptor scores kernel. The corpus is one kernel with a constexpr MISTAKE
-# switch: 0 is right, each other value makes exactly one classic mistake.
+# Exercise 9.3: the descriptor scores kernel. The corpus is one kernel written as a learner would
+# (descriptors, offsets, a pointer store) with a constexpr MISTAKE switch: RIGHT and the VALID_*
+# values are right answers in other styles, every other value makes one mistake a learner makes.
 
 (RIGHT, TILE_OFFSETS, K_BLOCK_M, K_FIXED, K_ROWS_NQ, NO_SCALE, LOG2_SCALE, STORE_UNMASKED,
- SHAPE_PADDED, PIDS_SWAPPED, NO_TRANS) = (tl.constexpr(i) for i in range(11))
+ SHAPE_PADDED, PIDS_SWAPPED, NO_TRANS, Q_ROWS_NK, STRIDES_SWAPPED, MASK_SWAPPED, STORE_ROW_N_K,
+ SCALE_RECOMPUTED, SCALE_HEAD_DIM, ROWS_MASK_ONLY, SCALE_TWICE, K_OFFSET_COLUMN,
+ VALID_FOLD_SCALE, VALID_K_MAJOR, VALID_T_ATTRIBUTE) = (tl.constexpr(i) for i in range(23))
 
 
 @triton.jit
@@ -173,12 +177,19 @@ def _scores_kernel_with_mistake(Q, K, S, n_q, n_k, stride_qm, stride_kn, stride_
     k_rows = n_k
     if MISTAKE == K_ROWS_NQ:
         k_rows = n_q
+    if MISTAKE == Q_ROWS_NK:
+        q_rows = n_k
     cols = HEAD_DIM_REAL
     if MISTAKE == SHAPE_PADDED:
         cols = HEAD_DIM
-    q_desc = tl.make_tensor_descriptor(Q, shape=[q_rows, cols], strides=[stride_qm, 1],
+    q_stride = stride_qm
+    k_stride = stride_kn
+    if MISTAKE == STRIDES_SWAPPED:
+        q_stride = stride_kn
+        k_stride = stride_qm
+    q_desc = tl.make_tensor_descriptor(Q, shape=[q_rows, cols], strides=[q_stride, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[k_rows, cols], strides=[stride_kn, 1],
+    k_desc = tl.make_tensor_descriptor(K, shape=[k_rows, cols], strides=[k_stride, 1],
                                        block_shape=[BLOCK_N, HEAD_DIM])
     if MISTAKE == TILE_OFFSETS:
         q = q_desc.load([pid_m, 0])
@@ -189,21 +200,42 @@ def _scores_kernel_with_mistake(Q, K, S, n_q, n_k, stride_qm, stride_kn, stride_
             k = k_desc.load([pid_n * BLOCK_M, 0])
         elif MISTAKE == K_FIXED:
             k = k_desc.load([0, 0])
+        elif MISTAKE == K_OFFSET_COLUMN:
+            k = k_desc.load([0, pid_n * BLOCK_N])
         else:
             k = k_desc.load([pid_n * BLOCK_N, 0])
+    if MISTAKE == VALID_FOLD_SCALE:  # Triton's tutorial: scale q once, back in fp16
+        q = (q * scale).to(tl.float16)
     if MISTAKE == NO_TRANS:
         s = tl.dot(q, k)
+    elif MISTAKE == VALID_K_MAJOR:
+        s = tl.trans(tl.dot(k, tl.trans(q)))
+    elif MISTAKE == VALID_T_ATTRIBUTE:
+        s = tl.dot(q, k.T)
     else:
         s = tl.dot(q, tl.trans(k))
     if MISTAKE == LOG2_SCALE:
         s = s * (scale * 1.4426950408889634)
-    elif MISTAKE != NO_SCALE:
+    elif MISTAKE == SCALE_RECOMPUTED:
+        s = s / tl.sqrt(HEAD_DIM_REAL * 1.0)
+    elif MISTAKE == SCALE_HEAD_DIM:
+        s = s * (1.0 / tl.sqrt(HEAD_DIM * 1.0))
+    elif MISTAKE == SCALE_TWICE:
+        s = s * scale * scale
+    elif MISTAKE != NO_SCALE and MISTAKE != VALID_FOLD_SCALE:
         s = s * scale
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = S + rows[:, None] * stride_sm + cols[None, :]
+    if MISTAKE == STORE_ROW_N_K:  # S taken as contiguous: row stride n_k
+        ptrs = S + rows[:, None] * n_k + cols[None, :]
+    else:
+        ptrs = S + rows[:, None] * stride_sm + cols[None, :]
     if MISTAKE == STORE_UNMASKED:
         tl.store(ptrs, s)
+    elif MISTAKE == MASK_SWAPPED:
+        tl.store(ptrs, s, mask=(rows[:, None] < n_k) & (cols[None, :] < n_q))
+    elif MISTAKE == ROWS_MASK_ONLY:
+        tl.store(ptrs, s, mask=rows[:, None] < n_q)
     else:
         tl.store(ptrs, s, mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
 
@@ -222,55 +254,102 @@ class _WithMistake:
 
 _CAUSES = list(ch09.SCORES_KERNEL_MISTAKES)
 
-# mistake -> (text its diagnosis must contain: the replayed cause or the guarded run's finding,
-# the case it fails on). A descriptor whose shape has rows padded to whole tiles is not in the
-# corpus: the padded rows only reach the masked-out part of S, so no output shows it (on a GPU it
-# is still a read past the tensor, which can fault at the end of an allocation).
+
+def _cause(start):
+    """The one cause of SCORES_KERNEL_MISTAKES that starts with ``start``."""
+    found = [c for c in _CAUSES if c.startswith(start)]
+    assert len(found) == 1, start
+    return found[0]
+
+
+# mistake -> what its diagnosis must say: ("cause", the cause that must be named) or ("seen",
+# text of the evidence, and no cause may be named)
 SCORES_KERNEL_CORPUS = {k.value: found for k, found in {
-    TILE_OFFSETS: (f"likely cause: {_CAUSES[0]}", "case 1 of 3"),
-    K_BLOCK_M: (f"likely cause: {_CAUSES[1]}", "case 1 of 3"),
-    K_FIXED: (f"likely cause: {_CAUSES[2]}", "case 1 of 3"),
-    K_ROWS_NQ: (f"likely cause: {_CAUSES[3]}", "case 1 of 3"),
-    NO_SCALE: (f"likely cause: {_CAUSES[4]}", "case 1 of 3"),
-    LOG2_SCALE: (f"likely cause: {_CAUSES[5]}", "case 1 of 3"),
-    STORE_UNMASKED: ("outside S (37, 45) — mask the store with rows < n_q and cols < n_k",
-                     "case 1 of 3"),
-    # d = 48 < HEAD_DIM = 64 in case 2: columns 48 to 63 come from the row's margin
-    SHAPE_PADDED: ("a descriptor reads past the tensor: its shape must be the tensor's real shape",
-                   "case 2 of 3"),
-    PIDS_SWAPPED: ("were never written", "case 1 of 3"),
+    TILE_OFFSETS: ("cause", _cause("the descriptor offsets count tiles")),
+    K_BLOCK_M: ("cause", _cause("K's tiles start at pid_n * BLOCK_M")),
+    K_FIXED: ("cause", _cause("every program loads the same K tile")),
+    K_ROWS_NQ: ("cause", _cause("K's descriptor has n_q rows")),
+    NO_SCALE: ("cause", _cause("the scores are not scaled")),
+    LOG2_SCALE: ("cause", _cause("the scores are in log2 units")),
+    SCALE_RECOMPUTED: ("cause", _cause("the scale is recomputed in the kernel as 1/√d")),
+    SCALE_HEAD_DIM: ("cause", _cause("the scale is recomputed in the kernel as 1/√HEAD_DIM")),
+    # the guard stops every access outside the tensors before it happens
+    STORE_UNMASKED: ("seen", "tl.store in program"),
+    ROWS_MASK_ONLY: ("seen", "past the end of `S`"),
+    MASK_SWAPPED: ("seen", "tl.store in program"),
+    Q_ROWS_NK: ("seen", "past the end of `q`"),  # n_q = 37 < n_k = 45: Q's rows 37.. read
+    SHAPE_PADDED: ("seen", "tl.load in program"),  # d = 16 is HEAD_DIM in case 1; d = 48 later
+    STRIDES_SWAPPED: ("seen", "your kernel's tl.load"),
+    STORE_ROW_N_K: ("seen", "✗ Exercise 9.3"),
+    PIDS_SWAPPED: ("seen", "✗ Exercise 9.3"),
+    SCALE_TWICE: ("seen", "wrong answer on case 1 of 4"),
+    K_OFFSET_COLUMN: ("seen", "✗ Exercise 9.3"),
     # tl.dot's words, in the interpreter and from the compiler (which also quotes the line)
-    NO_TRANS: ("hint: tl.dot(a, b) needs a (M, K) @ b (K, N)", "case 1 of 3"),
+    NO_TRANS: ("seen", "hint: tl.dot(a, b) needs a (M, K) @ b (K, N)"),
 }.items()}
+SCORES_VALID = [RIGHT.value, VALID_FOLD_SCALE.value, VALID_K_MAJOR.value, VALID_T_ATTRIBUTE.value]
 
 
-def test_scores_corpus_is_right_with_no_mistake(capsys):
-    kernel = _WithMistake(RIGHT)
+def assert_diagnosed(message, expected, causes):
+    """The message names the expected cause, or (for "seen") shows the evidence and names no
+    cause; never a wrong cause."""
+    kind, text = expected
+    named = [c for c in causes if f"likely cause: {c}" in message]
+    assert "two known mistakes reproduce" not in message or kind == "cause", message
+    if kind == "cause":
+        assert named == [text], message
+    else:
+        assert not named and "likely cause" not in message, message
+        assert text in message, message
+
+
+@pytest.mark.parametrize("mistake", SCORES_VALID)
+def test_scores_kernels_in_other_styles_pass(mistake, capsys):
+    kernel = _WithMistake(mistake)
     assert ch09.check_scores_kernel(kernel) is kernel
-    assert "Exercise 9.3: passed (3 cases)" in capsys.readouterr().out
+    assert "Exercise 9.3: passed (4 cases)" in capsys.readouterr().out
 
 
 def test_library_scores_kernel_passes(capsys):
-    assert ch09.check_scores_kernel(ch09.scores_kernel) is ch09.scores_kernel
-    assert "Exercise 9.3: passed (3 cases)" in capsys.readouterr().out
+    assert ch09.check_scores_kernel(hopper.scores_kernel) is hopper.scores_kernel
+    assert "Exercise 9.3: passed (4 cases)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mistake", SCORES_KERNEL_CORPUS)
-def test_each_wrong_scores_kernel_is_rejected_with_its_cause(mistake):
-    assert len(ch09.SCORES_KERNEL_MISTAKES) >= 5
+def test_each_wrong_scores_kernel_is_rejected_and_never_misdiagnosed(mistake):
     with pytest.raises(ExerciseFailed) as info:
         ch09.check_scores_kernel(_WithMistake(mistake))
     message = str(info.value)
-    text, case = SCORES_KERNEL_CORPUS[mistake]
-    assert message.startswith("✗ Exercise 9.3") and case in message, message
-    assert text in message, message
-    assert message.count("likely cause") <= 1  # one diagnosis
+    assert message.startswith("✗ Exercise 9.3"), message
+    assert_diagnosed(message, SCORES_KERNEL_CORPUS[mistake], _CAUSES)
 
 
-def test_a_wrong_tile_is_located():
+def test_every_scores_mistake_model_is_named_on_its_own_output():
+    for cause, model in ch09.SCORES_KERNEL_MISTAKES.items():
+        with pytest.raises(ExerciseFailed) as info:
+            ch09.check_function("Exercise 9.3", model, ch09.scores_reference,
+                                ch09._scores_cases("cpu"), mistakes=ch09.SCORES_KERNEL_MISTAKES,
+                                tolerance=ch09.SCORES_TOLERANCE)
+        assert f"likely cause: {cause}" in str(info.value), cause
+
+
+def test_a_wrong_tile_is_located_with_the_cases_tiles():
     with pytest.raises(ExerciseFailed) as info:
         ch09.check_scores_kernel(_WithMistake(K_BLOCK_M))
-    assert "is written by program (pid_m, pid_n) = (0, 1)" in str(info.value)
+    assert "is written by program (pid_m, pid_n) = (0, 1) of that case (BLOCK_M = 16" \
+        in str(info.value)
+
+
+def test_scores_cases_vary_what_a_mistake_can_depend_on():
+    cases = ch09._scores_cases("cpu")
+    blocks = {(c.kwargs["block_m"], c.kwargs["block_n"]) for c in cases}
+    assert (16, 32) in blocks and (32, 16) in blocks  # BLOCK_M ≠ BLOCK_N, both ways
+    assert any(c.kwargs["scale"] is not None for c in cases)  # an explicit scale ≠ 1/√d
+    dims = [c.args[0].shape[1] for c in cases]
+    assert any(d & (d - 1) for d in dims)  # a head dim that is not a power of two
+    assert any(c.args[0].shape[0] > c.args[1].shape[0] for c in cases)  # n_q > n_k
+    assert any(c.args[0].shape[0] < c.args[1].shape[0] for c in cases)  # n_q < n_k
+    assert ch09.SCORES_Q_COL_MARGIN != ch09.SCORES_K_COL_MARGIN  # Q's and K's row strides differ
 
 
 @triton.jit
@@ -281,13 +360,29 @@ def _stub_scores_kernel(Q, K, S, n_q, n_k, stride_qm, stride_kn, stride_sm, scal
 
 
 def test_scores_stub_is_not_done_and_falls_back(capsys):
-    assert ch09.check_scores_kernel(_stub_scores_kernel) is ch09.scores_kernel
+    assert ch09.check_scores_kernel(_stub_scores_kernel) is hopper.scores_kernel
     assert "Exercise 9.3: not done yet" in capsys.readouterr().out
+
+
+def test_the_answer_kernel_lives_in_the_library():
+    assert ch09.scores_kernel is hopper.scores_kernel
+    assert ch09.launch_scores is hopper.launch_scores
+    assert ch09.ensure_descriptor_allocator is hopper.ensure_descriptor_allocator
 
 
 def test_scores_tiles_model_matches_the_reference():
     for case in ch09._scores_cases("cpu"):
-        torch.testing.assert_close(ch09.scores_tiles(*case.args), ch09.scores_reference(*case.args))
+        torch.testing.assert_close(ch09.scores_tiles(*case.args, **{
+            "scale": case.kwargs["scale"], "block_m": case.kwargs["block_m"],
+            "block_n": case.kwargs["block_n"]}), ch09.scores_reference(*case.args, **case.kwargs))
+
+
+def test_check_times_stay_short():
+    import time
+
+    start = time.perf_counter()
+    ch09.check_scores_kernel(hopper.scores_kernel)
+    assert time.perf_counter() - start < 5.0
 
 
 def test_launch_scores_matches_the_reference(device):
@@ -295,8 +390,8 @@ def test_launch_scores_matches_the_reference(device):
     q = torch.randn(50, 32, generator=gen).to(device=device, dtype=torch.float16)
     k = torch.randn(19, 32, generator=gen).to(device=device, dtype=torch.float16)
     s = torch.empty(50, 19, device=device)
-    ch09.launch_scores(ch09.scores_kernel, q, k, s)
-    torch.testing.assert_close(s, ch09.scores_reference(q, k), atol=2e-5, rtol=2e-4)
+    hopper.launch_scores(hopper.scores_kernel, q, k, s, scale=0.3)
+    torch.testing.assert_close(s, ch09.scores_reference(q, k, 0.3), atol=2e-5, rtol=2e-4)
 
 
 def test_descriptor_allocator_is_set_only_on_a_gpu(monkeypatch):
@@ -304,5 +399,5 @@ def test_descriptor_allocator_is_set_only_on_a_gpu(monkeypatch):
 
     calls = []
     monkeypatch.setattr(triton, "set_allocator", calls.append)
-    ch09.ensure_descriptor_allocator()
+    hopper.ensure_descriptor_allocator()
     assert len(calls) == (1 if runtime.current().on_gpu else 0)

@@ -12,12 +12,16 @@ mistakes (``ROTATE_MISTAKES``) draw their signs as the skeleton does,
 who draws them that way gets the cause named.
 
 9.2 is compared with :func:`course_lib.fp8.quantize_e4m3` up to one e4m3 rounding step
-(``QUANTIZE_MISTAKES``). 9.3 runs on guarded tensors (:func:`course_lib.kernel_checks.check_kernel`)
-and its mistakes are a float64 model of the kernel's tiles with one thing done wrong
-(:func:`scores_tiles`, ``SCORES_KERNEL_MISTAKES``), as chapter 08's kernel checks do.
+(``QUANTIZE_MISTAKES``). 9.3 runs on guarded tensors (:func:`course_lib.kernel_checks.check_kernel`:
+every load and store checked before it happens in the interpreter) and its mistakes are a float64
+model of the kernel's tiles with one thing done wrong (:func:`scores_tiles`,
+``SCORES_KERNEL_MISTAKES``), as chapter 08's kernel checks do. The answer kernel itself, its
+launcher and :func:`~course_lib.kernels.hopper.ensure_descriptor_allocator` (on a GPU, a kernel that
+builds descriptors with ``tl.make_tensor_descriptor`` needs scratch memory from an allocator
+Triton is given) live in :mod:`course_lib.kernels.hopper` and are re-exported here.
 
-On a GPU, a kernel that builds its descriptors with ``tl.make_tensor_descriptor`` needs scratch
-memory from an allocator Triton is given: :func:`ensure_descriptor_allocator`.
+A "likely cause" is named only when exactly one mistake model reproduces the learner's output on
+every case (:func:`course_lib.checks.cause_lines`); otherwise the diagnosis says what was seen.
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib.checks import learner_check
-from course_lib import constants, fp8, runtime
-from course_lib.checks import Case, check_function
-from course_lib.kernels.forward import padded_head_dim
+from course_lib import checks, constants, fp8, runtime
+from course_lib.checks import Case, check_function, learner_check
+from course_lib.kernels import hopper
+from course_lib.kernels.hopper import ensure_descriptor_allocator, launch_scores, scores_kernel
 from course_lib.reference import default_scale
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -513,90 +517,45 @@ return x_fp8, scale'''
 # Exercise 9.3: scores_kernel, one tile of S = scale · Q Kᵀ with tiles loaded by tensor descriptors
 # ----------------------------------------------------------------------------------------------
 
-# Triton allocates a device-side descriptor in global memory (128 bytes, 128-byte aligned: the
-# CUDA driver's CUtensorMap); torch's CUDA allocator returns blocks aligned to at least 256 bytes.
-def _descriptor_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_descriptor_allocator() -> None:
-    """Give Triton the allocator that ``tl.make_tensor_descriptor`` needs on a GPU (the
-    interpreter needs none). Call it before each launch, not once: Triton keeps the allocator in
-    a ``ContextVar``, and Jupyter kernels have run cells in separate contexts (ipykernel 7.0
-    lost ContextVar values between cells; fixed in 7.1, and still lost after an ``await``)."""
-    if runtime.current().on_gpu:
-        triton.set_allocator(_descriptor_scratch)
-
-
-# Tiles of the check: 16 is the smallest tl.dot tile; BLOCK_N ≠ BLOCK_M so that a mix-up shows.
-SCORES_BLOCK_M = 16
-SCORES_BLOCK_N = 32
+# The kernel, its launcher and the allocator live in the library (:mod:`course_lib.kernels.hopper`);
+# this module keeps the check's cases and mistakes.
+SCORES_BLOCK_M, SCORES_BLOCK_N = hopper.SCORES_BLOCK_M, hopper.SCORES_BLOCK_N
 # Margins of the guarded inputs: a tile's worth of NaN rows after the last row (a descriptor
-# whose shape is too large reads them) and 8 NaN columns after each row. 8 keeps the row stride,
-# (d + 8) fp16 elements, a multiple of 16 bytes for d a multiple of 8: TMA's rule for strides.
-SCORES_ROW_MARGIN = SCORES_BLOCK_N
-SCORES_COL_MARGIN = 8
-# S's margin: a whole tile of rows and of columns, so that an unmasked store of the ragged last
-# tiles lands in the margin (and is reported) instead of past the buffer (which can crash Python).
-S_MARGIN = (SCORES_BLOCK_M, SCORES_BLOCK_N)
+# whose shape has too many rows reads them) and NaN columns after each row, a different number
+# for Q and for K so that their row strides differ (a stride of one used for the other shows).
+# Both keep the row stride a multiple of 16 bytes (8 fp16 elements) for d a multiple of 8:
+# TMA's rule for strides.
+SCORES_ROW_MARGIN = 2 * max(SCORES_BLOCK_M, SCORES_BLOCK_N)
+SCORES_Q_COL_MARGIN = 8
+SCORES_K_COL_MARGIN = 24
+# S's margin: a whole tile of rows and of columns (for the GPU, where nothing checks a store
+# before it happens: an unmasked store of the ragged last tiles lands in the margin and is
+# reported).
+S_MARGIN = (SCORES_ROW_MARGIN, SCORES_ROW_MARGIN)
+# The inputs are fp16. An answer may fold the scale into q before the dot and round it back to
+# fp16 (Triton's own attention tutorial does), which moves each score by ~2⁻¹¹ of
+# Σ|q_i k_i|·scale: up to ~1e-2 on these inputs. Every mistake below is off by O(1).
+SCORES_TOLERANCE = (2e-2, 1e-2)
 
 
-@triton.jit
-def scores_kernel(Q, K, S, n_q, n_k, stride_qm, stride_kn, stride_sm, scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_REAL: tl.constexpr):
-    """One ``(BLOCK_M, BLOCK_N)`` tile of ``S = scale · Q Kᵀ``; grid ``(cdiv(n_q, BLOCK_M),
-    cdiv(n_k, BLOCK_N))``. Q ``(n_q, d)``, K ``(n_k, d)`` with unit column stride; S float32.
-
-    Reads ``(BLOCK_M + BLOCK_N) · d`` elements, writes ``BLOCK_M · BLOCK_N``.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    # The descriptor knows the real shape: rows >= n and columns >= d of a tile read as 0.
-    q_desc = tl.make_tensor_descriptor(Q, shape=[n_q, HEAD_DIM_REAL], strides=[stride_qm, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM_REAL], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    q = q_desc.load([pid_m * BLOCK_M, 0])  # (BLOCK_M, HEAD_DIM): offsets are in rows, not tiles
-    k = k_desc.load([pid_n * BLOCK_N, 0])  # (BLOCK_N, HEAD_DIM)
-    s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N) float32
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # S's rows (n_k float32) need not meet TMA's 16-byte rule: a pointer store, masked.
-    tl.store(S + rows[:, None] * stride_sm + cols[None, :], s,
-             mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
-
-
-def launch_scores(kernel, q, k, s, scale=None, block_m: int = SCORES_BLOCK_M,
-                  block_n: int = SCORES_BLOCK_N) -> None:
-    """Launch ``kernel`` (:func:`scores_kernel` or a learner's with its signature) into ``s``.
-
-    Args:
-        q: ``(n_q, d)``; k: ``(n_k, d)``, fp16, last stride 1, row strides multiples of 16 bytes.
-        s: ``(n_q, n_k)`` float32 output, last stride 1. scale: default ``1/sqrt(d)``.
-        block_m, block_n: the tile.
-    """
-    n_q, d = q.shape
-    n_k = k.shape[0]
-    scale = default_scale(d) if scale is None else scale
-    ensure_descriptor_allocator()
-    grid = (triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n))
-    kernel[grid](q, k, s, n_q, n_k, q.stride(0), k.stride(0), s.stride(0), scale,
-                 BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=padded_head_dim(d), HEAD_DIM_REAL=d)
-
-
-def scores_tiles(q, k, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N, *, q_start="rows",
-                 k_start="rows", k_rows="n_k", scale="1/sqrt(d)"):
+def scores_tiles(q, k, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N, *, scale=None,
+                 q_start="rows", k_start="rows", q_rows="n_q", k_rows="n_k",
+                 scale_mode="scale"):
     """float64 model of the scores kernel, tile by tile; the defaults are the right kernel.
 
     Args:
-        q: ``(n_q, d)``; k: ``(n_k, d)``. block_m, block_n: the tile.
+        q: ``(n_q, d)``; k: ``(n_k, d)``. block_m, block_n: the tile. scale: the kernel's
+            ``scale`` argument (None: ``1/sqrt(d)``).
         q_start, k_start: where tile ``(i, j)`` starts reading: "rows" (``i · BLOCK_M``,
             ``j · BLOCK_N``), "tiles" (``i``, ``j``); for K also "block_m" (``j · BLOCK_M``) and
             "fixed" (0 for every j).
-        k_rows: the row count K's descriptor is given: "n_k" or "n_q" (rows past it read 0;
-            only modelled when ``n_q <= n_k``).
-        scale: "1/sqrt(d)", "none" (1) or "log2" (``LOG2_E / sqrt(d)``).
+        q_rows, k_rows: the row count each descriptor is given: its own ("n_q", "n_k") or the
+            other's; rows past it read 0 (a count larger than the tensor's reads past it, which
+            the check stops before it happens, so the model is then only right where it stays
+            inside).
+        scale_mode: "scale" (``scale``), "none" (1), "log2" (``scale · LOG2_E``), or the scale
+            recomputed in the kernel instead of read: "1/sqrt(d)" or "1/sqrt(HEAD_DIM)" (d
+            padded to a power of two).
 
     Returns:
         ``S`` ``(n_q, n_k)`` float32 on q's device.
@@ -604,9 +563,12 @@ def scores_tiles(q, k, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N, *, q_star
     n_q, d = q.shape
     n_k = k.shape[0]
     q64, k64 = q.double().cpu(), k.double().cpu()
-    k_bound = n_k if k_rows == "n_k" else min(n_q, n_k)
-    factor = {"1/sqrt(d)": default_scale(d), "none": 1.0,
-              "log2": default_scale(d) * constants.LOG2_E}[scale]
+    scale = default_scale(d) if scale is None else scale
+    q_bound = min(n_q, n_k if q_rows == "n_k" else n_q)
+    k_bound = min(n_k, n_q if k_rows == "n_q" else n_k)
+    factor = {"scale": scale, "none": 1.0, "log2": scale * constants.LOG2_E,
+              "1/sqrt(d)": default_scale(d),
+              "1/sqrt(HEAD_DIM)": default_scale(hopper.padded_head_dim(d))}[scale_mode]
 
     def rows_of(x, start, count, bound):
         tile = torch.zeros((count, d), dtype=torch.float64)
@@ -617,7 +579,7 @@ def scores_tiles(q, k, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N, *, q_star
 
     s = torch.empty((n_q, n_k), dtype=torch.float64)
     for i in range(triton.cdiv(n_q, block_m)):
-        q_tile = rows_of(q64, i * block_m if q_start == "rows" else i, block_m, n_q)
+        q_tile = rows_of(q64, i * block_m if q_start == "rows" else i, block_m, q_bound)
         for j in range(triton.cdiv(n_k, block_n)):
             start = {"rows": j * block_n, "tiles": j, "block_m": j * block_m, "fixed": 0}[k_start]
             k_tile = rows_of(k64, start, block_n, k_bound)
@@ -628,14 +590,16 @@ def scores_tiles(q, k, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N, *, q_star
     return s.to(device=q.device, dtype=torch.float32)
 
 
-def scores_reference(q, k):
-    """``S = q kᵀ / √d`` in float64, returned as float32 (what the kernel writes)."""
-    return (default_scale(q.shape[-1]) * q.double() @ k.double().T).to(torch.float32)
+def scores_reference(q, k, scale=None, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N):
+    """``S = scale · q kᵀ`` in float64, returned as float32 (what the kernel writes); the tile
+    sizes change nothing."""
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return (scale * q.double() @ k.double().T).to(torch.float32)
 
 
 def _scores_mistake(**wrong):
-    def mistaken(q, k):
-        return scores_tiles(q, k, **wrong)
+    def mistaken(q, k, scale=None, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N):
+        return scores_tiles(q, k, block_m, block_n, scale=scale, **wrong)
     return mistaken
 
 
@@ -649,29 +613,41 @@ SCORES_KERNEL_MISTAKES = {
     "key pid_n * BLOCK_N": _scores_mistake(k_start="fixed"),
     "K's descriptor has n_q rows: its shape is K's own, [n_k, HEAD_DIM_REAL] — the descriptor "
     "reads rows past its shape as 0": _scores_mistake(k_rows="n_q"),
-    "the scores are not scaled: multiply q·kᵀ by scale (1/√d)": _scores_mistake(scale="none"),
+    "Q's descriptor has n_k rows: its shape is Q's own, [n_q, HEAD_DIM_REAL] — the descriptor "
+    "reads rows past its shape as 0": _scores_mistake(q_rows="n_k"),
+    "the scores are not scaled: multiply q·kᵀ by scale": _scores_mistake(scale_mode="none"),
     "the scores are in log2 units (scale · LOG2_E, the forward kernel's qk_scale_log2): this "
-    "kernel writes S = scale · q·kᵀ": _scores_mistake(scale="log2"),
+    "kernel writes S = scale · q·kᵀ": _scores_mistake(scale_mode="log2"),
+    "the scale is recomputed in the kernel as 1/√d: use the `scale` argument (the caller may "
+    "pass another scale than the default)": _scores_mistake(scale_mode="1/sqrt(d)"),
+    "the scale is recomputed in the kernel as 1/√HEAD_DIM, with the padded head dim: use the "
+    "`scale` argument (HEAD_DIM is d rounded up to a power of two, not d)":
+        _scores_mistake(scale_mode="1/sqrt(HEAD_DIM)"),
 }
 
 
 def _scores_cases(device: str) -> list[Case]:
     gen = torch.Generator().manual_seed(9_3)
-    # (n_q, n_k, d): ragged rows and keys (n_k > n_q, so the n_q-rows mistake reads zeros), a
-    # head dim that is not a power of two (HEAD_DIM 64 > d = 48: columns past d read as 0),
-    # whole tiles.
-    specs = [(37, 45, 16), (20, 70, 48), (32, 64, 32)]
+    # (n_q, n_k, d, scale, BLOCK_M, BLOCK_N): ragged rows and keys with n_k > n_q (a descriptor
+    # given n_q rows for K reads zeros); a head dim that is not a power of two (HEAD_DIM 64 >
+    # d = 48: columns past d read as 0) and an explicit scale; n_q > n_k with BLOCK_M > BLOCK_N
+    # (the mix-ups of the two tiles show) and d = 24; whole tiles. (The size of the scores does
+    # not matter to this kernel: no exp.)
+    specs = [(37, 45, 16, None, 16, 32), (20, 70, 48, 0.3, 16, 32), (50, 19, 24, 0.45, 32, 16),
+             (32, 64, 32, 0.8, 16, 32)]
     cases = []
-    for n_q, n_k, d in specs:
+    for n_q, n_k, d, scale, block_m, block_n in specs:
         q = torch.randn(n_q, d, generator=gen).to(device=device, dtype=torch.float16)
         k = torch.randn(n_k, d, generator=gen).to(device=device, dtype=torch.float16)
-        cases.append(Case((q, k), label=f"n_q={n_q}, n_k={n_k}, d={d}, float16, BLOCK_M="
-                                        f"{SCORES_BLOCK_M}, BLOCK_N={SCORES_BLOCK_N}; output S "
-                                        f"[row, col] float32"))
+        shown = "1/√d" if scale is None else f"{scale:g}"
+        cases.append(Case((q, k), {"scale": scale, "block_m": block_m, "block_n": block_n},
+                          label=f"n_q={n_q}, n_k={n_k}, d={d}, scale={shown}, float16, "
+                                f"BLOCK_M={block_m}, BLOCK_N={block_n}; output S [row, col] "
+                                f"float32"))
     return cases
 
 
-def scores_kernel_runner(kernel):
+def scores_kernel_runner(kernel, scale=None, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N):
     """A guarded run of a scores kernel: ``run(q, k) -> S`` (float32)."""
     from course_lib import kernel_checks
 
@@ -679,40 +655,48 @@ def scores_kernel_runner(kernel):
         return (q.shape[0], k.shape[0]), torch.float32
 
     def launch(q, k, s):
-        launch_scores(kernel, q, k, s)
+        hopper.launch_scores(kernel, q, k, s, scale, block_m, block_n)
 
-    margin = (SCORES_ROW_MARGIN, SCORES_COL_MARGIN)
     return kernel_checks.GuardedRun(
-        launch=launch, margins=(margin, margin),
+        launch=launch, margins=((SCORES_ROW_MARGIN, SCORES_Q_COL_MARGIN),
+                                (SCORES_ROW_MARGIN, SCORES_K_COL_MARGIN)),
         outputs=(kernel_checks.Output("S", S_MARGIN, s_shape),),
         store_hint="mask the store with rows < n_q and cols < n_k: the last tiles of S are ragged",
-        coverage_hint="program (pid_m, pid_n) = (tl.program_id(0), tl.program_id(1)) writes the "
-                      "tile S[pid_m·BLOCK_M : (pid_m+1)·BLOCK_M, "
-                      "pid_n·BLOCK_N : (pid_n+1)·BLOCK_N]",
+        coverage_hint=f"program (pid_m, pid_n) = (tl.program_id(0), tl.program_id(1)) writes the "
+                      f"tile S[pid_m·BLOCK_M : (pid_m+1)·BLOCK_M, pid_n·BLOCK_N : "
+                      f"(pid_n+1)·BLOCK_N] (here BLOCK_M = {block_m}, BLOCK_N = {block_n})",
         load_hint="a descriptor reads past the tensor: its shape must be the tensor's real shape, "
                   "[n_q, HEAD_DIM_REAL] for Q and [n_k, HEAD_DIM_REAL] for K (not padded to whole "
                   "tiles or to HEAD_DIM) — the descriptor fills the rest of a tile with zeros")
 
 
-def _locate_tile(index) -> str:
-    row, col = index[:2]
-    return (f"S[{row}, {col}] is written by program (pid_m, pid_n) = ({row // SCORES_BLOCK_M}, "
-            f"{col // SCORES_BLOCK_N})")
-
-
 @learner_check
 def check_scores_kernel(kernel):
-    """Check exercise 9.3, the descriptor scores kernel (signature of :func:`scores_kernel`);
-    return the learner's kernel or, when it is not done yet, :func:`scores_kernel`."""
+    """Check exercise 9.3, the descriptor scores kernel (signature of
+    :func:`course_lib.kernels.hopper.scores_kernel`); return the learner's kernel or, when it is
+    not done yet, the library's."""
     from course_lib import kernel_checks
 
-    def run(q, k):
-        return scores_kernel_runner(kernel)(q, k)
+    shown = {}  # the tile sizes of the first case answered wrong, to locate its bad element
+
+    def run(q, k, scale=None, block_m=SCORES_BLOCK_M, block_n=SCORES_BLOCK_N):
+        s = scores_kernel_runner(kernel, scale, block_m, block_n)(q, k)
+        if "blocks" not in shown and checks.compare(s, scores_reference(q, k, scale),
+                                                    *SCORES_TOLERANCE) is not None:
+            shown["blocks"] = (block_m, block_n)
+        return s
+
+    def locate(index):
+        block_m, block_n = shown.get("blocks", (SCORES_BLOCK_M, SCORES_BLOCK_N))
+        row, col = index[:2]
+        return (f"S[{row}, {col}] is written by program (pid_m, pid_n) = ({row // block_m}, "
+                f"{col // block_n}) of that case (BLOCK_M = {block_m}, BLOCK_N = {block_n})")
 
     return kernel_checks.check_kernel("Exercise 9.3", kernel, run, scores_reference,
                                       _scores_cases(runtime.current().device),
-                                      fallback=scores_kernel, mistakes=SCORES_KERNEL_MISTAKES,
-                                      locate=_locate_tile)
+                                      fallback=hopper.scores_kernel,
+                                      mistakes=SCORES_KERNEL_MISTAKES,
+                                      tolerance=SCORES_TOLERANCE, locate=locate)
 
 
 SCORES_KERNEL_HINTS = [

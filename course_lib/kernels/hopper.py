@@ -25,6 +25,10 @@ Knobs the chapter's ablation turns one at a time (all constexpr, all in this one
   for the second matmul, as FA3 does. The host side (:func:`fp8_attention_forward`) quantizes,
   after an optional random Hadamard rotation of q and k (:mod:`course_lib.fp8`).
 
+Exercise 9.3's answer, :func:`scores_kernel` (one tile of ``S = scale · Q Kᵀ`` with Q and K
+tiles loaded by ``tl.make_tensor_descriptor``, the device-side descriptor) and its launcher live
+here too; :mod:`course_lib.exercises.ch09` keeps the check's cases and mistakes.
+
 The interpreter runs all of it on CPU (descriptors and fp8 dots included), so the tests check the
 same kernel there; the speed only exists on a Hopper GPU.
 """
@@ -39,6 +43,7 @@ from course_lib import runtime
 from course_lib.kernels import tiles, tuning
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, MASK_VALUE
+from course_lib.reference import default_scale
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
@@ -271,5 +276,77 @@ def fp8_attention_forward(q, k, v, causal: bool = False, scale: float | None = N
     return o.to(q.dtype), lse
 
 
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 9.3's kernel: one tile of scores, its Q and K tiles loaded through tensor descriptors
+
+
+# Triton allocates a device-side descriptor in global memory (128 bytes, 128-byte aligned: the
+# CUDA driver's CUtensorMap); torch's CUDA allocator returns blocks aligned to at least 256 bytes.
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_descriptor_allocator() -> None:
+    """Give Triton the allocator that ``tl.make_tensor_descriptor`` needs on a GPU (the
+    interpreter needs none). Call it before each launch, not once: Triton keeps the allocator in
+    a ``ContextVar``, and Jupyter kernels have run cells in separate contexts (ipykernel 7.0
+    lost ContextVar values between cells; fixed in 7.1, and still lost after an ``await``)."""
+    if runtime.current().on_gpu:
+        triton.set_allocator(_descriptor_scratch)
+
+
+# The tile of exercise 9.3's launches: 16 is the smallest tl.dot tile; BLOCK_N ≠ BLOCK_M so that
+# a mix-up of the two shows.
+SCORES_BLOCK_M = 16
+SCORES_BLOCK_N = 32
+
+
+@triton.jit
+def scores_kernel(Q, K, S, n_q, n_k, stride_qm, stride_kn, stride_sm, scale,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_REAL: tl.constexpr):
+    """One ``(BLOCK_M, BLOCK_N)`` tile of ``S = scale · Q Kᵀ`` (exercise 9.3); grid
+    ``(cdiv(n_q, BLOCK_M), cdiv(n_k, BLOCK_N))``. Q ``(n_q, d)``, K ``(n_k, d)`` with unit column
+    stride; S float32.
+
+    Reads ``(BLOCK_M + BLOCK_N) · d`` elements, writes ``BLOCK_M · BLOCK_N``.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # The descriptor knows the real shape: rows >= n and columns >= d of a tile read as 0.
+    q_desc = tl.make_tensor_descriptor(Q, shape=[n_q, HEAD_DIM_REAL], strides=[stride_qm, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K, shape=[n_k, HEAD_DIM_REAL], strides=[stride_kn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    q = q_desc.load([pid_m * BLOCK_M, 0])  # (BLOCK_M, HEAD_DIM): offsets are in rows, not tiles
+    k = k_desc.load([pid_n * BLOCK_N, 0])  # (BLOCK_N, HEAD_DIM)
+    s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N) float32
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # S's rows (n_k float32) need not meet TMA's 16-byte rule: a pointer store, masked.
+    tl.store(S + rows[:, None] * stride_sm + cols[None, :], s,
+             mask=(rows[:, None] < n_q) & (cols[None, :] < n_k))
+
+
+def launch_scores(kernel, q, k, s, scale=None, block_m: int = SCORES_BLOCK_M,
+                  block_n: int = SCORES_BLOCK_N) -> None:
+    """Launch ``kernel`` (:func:`scores_kernel` or a learner's with its signature) into ``s``.
+
+    Args:
+        q: ``(n_q, d)``; k: ``(n_k, d)``, fp16, last stride 1, row strides multiples of 16 bytes.
+        s: ``(n_q, n_k)`` float32 output, last stride 1. scale: default ``1/sqrt(d)``.
+        block_m, block_n: the tile.
+    """
+    n_q, d = q.shape
+    n_k = k.shape[0]
+    scale = default_scale(d) if scale is None else scale
+    ensure_descriptor_allocator()
+    grid = (triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n))
+    kernel[grid](q, k, s, n_q, n_k, q.stride(0), k.stride(0), s.stride(0), scale,
+                 BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=padded_head_dim(d), HEAD_DIM_REAL=d)
+
+
 __all__ = ["attention_forward_tma", "fp8_attention_forward", "quantize_fp8", "tma_unsupported_reason",
-           "TMA_ALIGN_BYTES"]
+           "TMA_ALIGN_BYTES", "scores_kernel", "launch_scores", "ensure_descriptor_allocator",
+           "SCORES_BLOCK_M", "SCORES_BLOCK_N"]
