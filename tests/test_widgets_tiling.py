@@ -9,8 +9,8 @@ import pytest
 
 from course_lib import iomodel
 from course_lib.widgets._display import LABEL_WIDTH
-from course_lib.widgets.tiling import (CURRENT, DONE, IO_HEADROOM, ORDERS, RESIDENT, SKIPPED, TODO,
-                                      TilingSimulator)
+from course_lib.widgets.tiling import (CURRENT, DEFAULT_PLAY_SPEED, DONE, IO_HEADROOM, ORDERS,
+                                      PLAY_SPEEDS, RESIDENT, SKIPPED, TODO, TilingSimulator)
 
 pytestmark = pytest.mark.ch04
 
@@ -105,8 +105,88 @@ def test_traffic_bars_are_linear_so_progress_reads_honestly(sim):
     assert sim.io_texts[0].get_text().startswith(f"{reads / 1e3:.3g} k of ")
 
 
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+@pytest.mark.parametrize("n, block_m, block_n", [(200, 48, 32), (1000, 64, 48), (256, 64, 64)])
+def test_tiles_are_drawn_with_their_real_size(order, n, block_m, block_n):
+    """A ragged last tile is drawn as wide (tall) as the rows it really holds, read from the mesh."""
+    sim = TilingSimulator(seq_len=n, block_m=block_m, block_n=block_n, order=order, causal=True)
+    heights, widths = sim.tile_rectangles()
+    t_r, t_c = sim.shape
+    assert list(heights) == [iomodel.block_rows(i, n, block_m) for i in range(t_r)]
+    assert list(widths) == [iomodel.block_rows(j, n, block_n) for j in range(t_c)]
+    assert heights.sum() == widths.sum() == n  # the tiles cover the N × N matrix exactly
+    assert sim.ax_grid.get_xlim() == (0, n) and sim.ax_grid.get_ylim() == (n, 0)
+    if n % block_n:
+        assert widths[-1] < block_n
+    # the strips beside the grid line up with its tiles
+    assert np.array_equal(sim.q_image.get_coordinates()[:, 0, 1], sim.grid_image.get_coordinates()[:, 0, 1])
+    assert np.array_equal(sim.kv_image.get_coordinates()[0, :, 0], sim.grid_image.get_coordinates()[0, :, 0])
+
+
+def _suggested_experiment(order="fa2"):
+    """Section 9's suggestion: large N with small tiles (64 × 64 tiles), causal, and Play."""
+    return TilingSimulator(seq_len=1024, block_m=16, block_n=16, order=order, causal=True)
+
+
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+def test_skipped_tiles_cost_no_step(order, monkeypatch):
+    sim = _suggested_experiment(order)
+    monkeypatch.setattr(sim, "_render", lambda: None)  # 2k steps: skip the PNGs, keep the data
+    kinds = [e.kind for e in iomodel.tile_events(1024, 1024, 64, 16, 16, True, order)]
+    skips = kinds.count("skip")
+    assert skips == iomodel.causal_skip_grid(1024, 1024, 16, 16).sum() > 0
+    assert sim.n_events == len(kinds) and sim.n_steps == len(kinds) - skips
+    assert sim.play.max == sim.n_steps
+    steps = 0
+    while not sim.done:  # Step from start to end: every press shows a tile computed or an output stored
+        sim.step()
+        steps += 1
+        assert sim.current_event().kind != "skip"
+    assert steps == sim.n_steps
+    assert (sim.grid_state() == SKIPPED).sum() == skips and (sim.grid_state() == TODO).sum() == 0
+    assert "Step %d / %d" % (steps, steps) in sim.status.value
+
+
+def test_a_step_says_which_hidden_tiles_it_passed(sim):
+    sim.causal.value = True  # 200 × 200, tiles 48 × 32: Q block 0 sees K/V blocks 0 and 1 only
+    sim.step(), sim.step()
+    assert sim.grid_state()[0, 2:].tolist() == [TODO] * 5
+    sim.step()  # passes K/V blocks 2..6 of Q block 0, then stores its output
+    assert sim.current_event().kind == "store"
+    assert sim.grid_state()[0, 2:].tolist() == [SKIPPED] * 5
+    assert "5 tiles skipped" in sim.status.value and "no step spent" in sim.status.value
+
+
+def test_play_speed_control(monkeypatch):
+    sim = _suggested_experiment()
+    monkeypatch.setattr(sim, "_render", lambda: None)  # frames' data only, no PNGs
+    assert sim.speed.value == DEFAULT_PLAY_SPEED == (sim.play.interval, sim.play.step)
+    seconds = {label: sim.n_steps / step * interval / 1000 for label, (interval, step) in PLAY_SPEEDS}
+    print({label: f"{t:.0f} s" for label, t in seconds.items()})
+    # before: one Play frame of 0.25 s per event, skipped tiles included
+    assert sim.n_events * 0.25 > 1000 and seconds[PLAY_SPEEDS[1][0]] < 0.55 * sim.n_events * 0.25
+    assert min(seconds.values()) < 15  # the fastest setting plays 64 × 64 causal tiles in seconds
+    label, (interval, step) = PLAY_SPEEDS[-1]
+    sim.speed.value = (interval, step)
+    assert (sim.play.interval, sim.play.step) == (interval, step)
+    # what the browser's Play does: add `step` while the result stays ≤ max, then stop playing
+    sim.play.playing = True
+    while sim.play.value + sim.play.step <= sim.play.max:
+        sim.play.value += sim.play.step
+    assert sim.play.max - sim.play.value < step
+    sim.play.playing = False
+    assert sim.done and sim.play.value == sim.play.max  # the last partial frame is not lost
+
+
+def test_pausing_play_keeps_the_position(sim):
+    sim.play.playing = True
+    sim.play.value = 5
+    sim.play.playing = False
+    assert sim.position == 5 and not sim.done
+
+
 def test_labelled_controls_share_one_label_width_and_fit(sim):
-    labelled = [sim.seq_len, sim.block_m, sim.block_n, sim.head_dim, sim.order]
+    labelled = [sim.seq_len, sim.block_m, sim.block_n, sim.head_dim, sim.order, sim.speed]
     assert {c.style.description_width for c in labelled} == {LABEL_WIDTH}
     # the longest description at ~7.5 px a character (13 px sans-serif) fits its label
     longest = max(len(c.description) for c in labelled)

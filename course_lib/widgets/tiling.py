@@ -2,13 +2,21 @@
 
 Controls: *Sequence length* N (queries = keys), *BLOCK_M* (B_r, query rows per tile), *BLOCK_N*
 (B_c, key rows per tile), *Head dim* d, the loop order (FA2: outer loop over Q tiles; FA1: outer
-loop over K/V tiles), *Causal*, and *Step* / *Play* / *Reset*.
+loop over K/V tiles), *Causal*, *Step* / *Play* / *Reset*, and *Play speed*.
+
+A step is one thing the kernel does: a tile computed, or a Q block's output stored. Tiles the
+causal mask hides are never loaded, so they cost no step: a step that passes over them marks them
+skipped (dark) at once and says so in the status line. *Play speed* sets how many steps a second
+Play shows (the fast settings advance several steps per frame, so a 64 × 64-tile run takes
+seconds, not minutes).
 
 The figure shows
 
-* left — the ``T_r × T_c`` grid of score tiles: the tile now in SRAM (orange), tiles done (blue),
-  tiles skipped by the causal mask (dark grey), tiles not reached yet (light grey); the strips on
-  its left and top show which Q block and which K/V block are resident in SRAM;
+* left — the ``N × N`` score matrix cut into its ``T_r × T_c`` tiles, each drawn with its real size
+  (the last row and column of tiles are narrower when N is not a multiple of the block): the tile
+  now in SRAM (orange), tiles done (blue), tiles skipped by the causal mask (dark grey), tiles not
+  reached yet (light grey); the strips on its left and top show which Q block and which K/V block
+  are resident in SRAM;
 * right — HBM reads and writes so far (solid bars) against the run's total (pale bars) and
   against standard attention at the same size (black ticks), on a linear scale so that a bar's
   length is its share of the total, each with its numbers written above it;
@@ -20,7 +28,7 @@ counts (the tests check it against the real NumPy run's counter), so a grid of 6
 takes a few milliseconds to prepare; each step redraws one ``imshow`` array per panel and renders
 the figure to PNG into :attr:`image` (see ``_display``). The widget works without a browser: call
 :meth:`step`, :meth:`reset`, set ``play.value`` or a slider's ``value`` and read :attr:`position`,
-:meth:`grid_state` or the artists' data.
+:meth:`grid_state`, :meth:`tile_rectangles` or the artists' data.
 
 Usage::
 
@@ -42,7 +50,12 @@ from course_lib import iomodel
 from course_lib.widgets._display import (PANEL_TITLE_FONTSIZE, SMALL_FONTSIZE, FigureWidget,
                                         control_layout)
 
-PLAY_INTERVAL_MS = 250  # one tile every quarter second when playing
+# Play speeds: (label, (milliseconds between frames, steps per frame)). A frame costs a redraw
+# (~0.05-0.2 s at 64 × 64 tiles), so the fast speeds take several steps per frame, not shorter frames.
+PLAY_SPEEDS = (("1 step/s", (1000, 1)), ("4 steps/s", (250, 1)), ("10 steps/s", (100, 1)),
+               ("40 steps/s", (250, 10)), ("200 steps/s", (250, 50)))
+DEFAULT_PLAY_SPEED = (250, 1)  # four steps a second
+PLAY_INTERVAL_MS = DEFAULT_PLAY_SPEED[0]
 MAX_TICKS = 8  # per axis
 IO_MAX_TICKS = 5  # on the traffic panel's count axis
 IO_HEADROOM = 1.08  # the traffic axis ends a little past the largest bar or tick
@@ -106,8 +119,11 @@ class TilingSimulator(FigureWidget):
         self.step_button = widgets.Button(description="Step",
                                           button_style="primary")
         self.reset_button = widgets.Button(description="Reset")
-        self.play = widgets.Play(value=0, min=0, max=1, step=1, interval=PLAY_INTERVAL_MS,
-                                 description="Play", show_repeat=False)
+        self.play = widgets.Play(value=0, min=0, max=1, step=DEFAULT_PLAY_SPEED[1],
+                                 interval=DEFAULT_PLAY_SPEED[0], description="Play",
+                                 show_repeat=False)
+        self.speed = widgets.Dropdown(options=PLAY_SPEEDS, value=DEFAULT_PLAY_SPEED,
+                                      description="Play speed", **control_layout())
         self.status = widgets.HTML()
         self._new_figure()
         self.widget = widgets.VBox([
@@ -115,6 +131,7 @@ class TilingSimulator(FigureWidget):
             widgets.HBox([self.block_m, self.block_n]),
             widgets.HBox([self.order, self.causal]),
             widgets.HBox([self.step_button, self.play, self.reset_button]),
+            self.speed,
             self.status, self.image])
 
         grid = self.fig.add_gridspec(2, 3, width_ratios=(0.06, 1.0, 0.95),
@@ -130,6 +147,8 @@ class TilingSimulator(FigureWidget):
                         self.causal):
             control.observe(lambda change: self.rebuild(), names="value")
         self.play.observe(self._on_play, names="value")
+        self.play.observe(self._on_play_stopped, names="playing")
+        self.speed.observe(self._on_speed, names="value")
         self.step_button.on_click(lambda button: self.step())
         self.reset_button.on_click(lambda button: self.reset())
         self.rebuild()
@@ -147,6 +166,12 @@ class TilingSimulator(FigureWidget):
         return len(self.events)
 
     @property
+    def n_steps(self) -> int:
+        """Steps from start to end (Step presses, Play frames at 1 step a frame): one per tile
+        computed or output stored; skipped tiles cost none."""
+        return len(self._stops) - 1
+
+    @property
     def done(self) -> bool:
         return self.position >= self.n_events
 
@@ -159,11 +184,17 @@ class TilingSimulator(FigureWidget):
         self._qi = np.array([-1 if e.q_block is None else e.q_block for e in self.events])
         self._kj = np.array([-1 if e.kv_block is None else e.kv_block for e in self.events])
         self._counts = np.array([(e.reads, e.writes, e.flops) for e in self.events])  # (E, 3)
+        # Where a step stops: after every event that is not a skip (a skipped tile is never
+        # loaded, so it is shown together with the next thing the kernel does), and at the end.
+        ends = [p for p in range(1, self.n_events + 1) if self._kind[p - 1] != SKIPPED]
+        if not ends or ends[-1] != self.n_events:
+            ends.append(self.n_events)
+        self._stops = np.array([0] + ends)  # (steps + 1,) event positions
         self.total = iomodel.io_counts(order, n, n, d, bm, bn, causal)
         self.standard = iomodel.standard_io(n, n, d)
         self._init_artists()
         self._syncing = True
-        self.play.max = self.n_events
+        self.play.max = self.n_steps
         self.play.value = 0
         self._syncing = False
         # Lay the figure out once per setting; steps only change data, so they keep that layout
@@ -177,16 +208,23 @@ class TilingSimulator(FigureWidget):
     def goto(self, position: int) -> None:
         """Show the state after ``position`` events (0 = nothing done yet)."""
         self.position = int(np.clip(position, 0, self.n_events))
-        if self.play.value != self.position:
+        step = self.step_index
+        if self.play.value != step:
             self._syncing = True
-            self.play.value = self.position
+            self.play.value = step
             self._syncing = False
         self.redraw()
 
+    @property
+    def step_index(self) -> int:
+        """Steps taken so far: the last stop at or before :attr:`position`."""
+        return int(np.searchsorted(self._stops, self.position, side="right")) - 1
+
     def step(self) -> None:
-        """Advance one event (a tile computed or skipped, or a Q tile's output stored)."""
+        """Advance one step: to the next tile computed (passing, and marking, the hidden tiles
+        before it) or the next output stored."""
         if not self.done:
-            self.goto(self.position + 1)
+            self.goto(self._stops[self.step_index + 1])
 
     def reset(self) -> None:
         """Back to the start, with the same settings."""
@@ -194,7 +232,17 @@ class TilingSimulator(FigureWidget):
 
     def _on_play(self, change) -> None:
         if not self._syncing:
-            self.goto(change["new"])
+            self.goto(self._stops[int(np.clip(change["new"], 0, self.n_steps))])
+
+    def _on_play_stopped(self, change) -> None:
+        # Play stops when its next frame would pass the end; with several steps a frame that
+        # leaves up to (steps per frame - 1) steps undone, so finish them.
+        play = self.play
+        if not change["new"] and play.value < play.max and play.value + play.step > play.max:
+            self.goto(self.n_events)
+
+    def _on_speed(self, change) -> None:
+        self.play.interval, self.play.step = change["new"]
 
     # -- what is drawn --------------------------------------------------------------------------
 
@@ -244,34 +292,48 @@ class TilingSimulator(FigureWidget):
             kv_strip[kv_block] = RESIDENT
         return q_strip, kv_strip
 
+    def tile_edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(q_edges (T_r + 1,), kv_edges (T_c + 1,))``: where the tiles start and end, in rows of
+        Q and of K/V; the last tile ends at N, so a ragged one is drawn narrower."""
+        n = self.seq_len.value
+        q_edges = np.minimum(np.arange(self.shape[0] + 1) * self.block_m.value, n)
+        kv_edges = np.minimum(np.arange(self.shape[1] + 1) * self.block_n.value, n)
+        return q_edges, kv_edges
+
+    def tile_rectangles(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(heights (T_r,), widths (T_c,))`` of the tiles as drawn, read back from the figure's
+        mesh (in query rows and key columns)."""
+        corners = self.grid_image.get_coordinates()  # (T_r + 1, T_c + 1, 2): x, y of each corner
+        return np.diff(corners[:, 0, 1]), np.diff(corners[0, :, 0])
+
     def _init_artists(self) -> None:
         t_r, t_c = self.shape
+        n = self.seq_len.value
         for ax in (self.ax_grid, self.ax_q, self.ax_kv, self.ax_io):
             ax.clear()
-        extent = (-0.5, t_c - 0.5, t_r - 0.5, -0.5)
-        self.grid_image = self.ax_grid.imshow(np.zeros((t_r, t_c)), cmap=TILE_COLOURS, vmin=0,
-                                              vmax=CURRENT, interpolation="nearest",
-                                              aspect="auto", extent=extent)
-        if max(t_r, t_c) <= 32:  # tile borders while they are still wide enough to see
-            self.ax_grid.set_xticks(np.arange(t_c + 1) - 0.5, minor=True)
-            self.ax_grid.set_yticks(np.arange(t_r + 1) - 0.5, minor=True)
-            self.ax_grid.grid(which="minor", color="white", linewidth=0.8)
-            self.ax_grid.tick_params(which="minor", length=0)
+        q_edges, kv_edges = self.tile_edges()
+        # one rectangle per tile, in query/key positions: a ragged last tile has its real size
+        self.grid_image = self.ax_grid.pcolormesh(kv_edges, q_edges, np.zeros((t_r, t_c)),
+                                                  cmap=TILE_COLOURS, vmin=0, vmax=CURRENT,
+                                                  edgecolors="white" if max(t_r, t_c) <= 32 else "none",
+                                                  linewidth=0.8)
+        self.ax_grid.set_xlim(0, n)
+        self.ax_grid.set_ylim(n, 0)  # query 0 at the top, as in a matrix
         self.ax_grid.set_xlabel(f"K/V block j (BLOCK_N = {self.block_n.value}; T_c = {t_c})")
         self.ax_q.set_ylabel(f"Q block i (BLOCK_M = {self.block_m.value}; T_r = {t_r})")
-        self.q_image = self.ax_q.imshow(np.zeros((t_r, 1)), cmap=STRIP_COLOURS, vmin=0,
-                                        vmax=FINISHED, aspect="auto",
-                                        extent=(-0.5, 0.5, t_r - 0.5, -0.5))
-        self.kv_image = self.ax_kv.imshow(np.zeros((1, t_c)), cmap=STRIP_COLOURS, vmin=0,
-                                          vmax=FINISHED, aspect="auto",
-                                          extent=(-0.5, t_c - 0.5, 0.5, -0.5))
-        # Few ticks: drawing dozens of tick labels is most of a frame's cost at 64 × 64 tiles.
-        self.ax_grid.xaxis.set_major_locator(MaxNLocator(MAX_TICKS, integer=True))
-        self.ax_grid.yaxis.set_major_locator(MaxNLocator(MAX_TICKS, integer=True))
+        self.q_image = self.ax_q.pcolormesh([0, 1], q_edges, np.zeros((t_r, 1)),
+                                            cmap=STRIP_COLOURS, vmin=0, vmax=FINISHED)
+        self.kv_image = self.ax_kv.pcolormesh(kv_edges, [0, 1], np.zeros((1, t_c)),
+                                              cmap=STRIP_COLOURS, vmin=0, vmax=FINISHED)
+        # ticks name the blocks, at their centres; few of them (tick labels cost drawing time)
+        for axis, edges in ((self.ax_grid.xaxis, kv_edges), (self.ax_grid.yaxis, q_edges)):
+            blocks = np.arange(len(edges) - 1)[::max(1, -(-(len(edges) - 1) // MAX_TICKS))]
+            axis.set_ticks((edges[blocks] + edges[blocks + 1]) / 2, [str(b) for b in blocks])
         self.ax_q.set_xticks([])
         self.ax_kv.set_yticks([])
         self.ax_kv.tick_params(labelbottom=False)
         self.ax_grid.tick_params(labelleft=False)
+        self.ax_q.tick_params(labelleft=True)
         self.ax_kv.set_title("score tiles: in SRAM now (orange), done (blue), skipped (dark), "
                              "to do (light)", fontsize=PANEL_TITLE_FONTSIZE)
 
@@ -305,12 +367,21 @@ class TilingSimulator(FigureWidget):
         self.ax_io.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16),
                           fontsize=SMALL_FONTSIZE, ncol=2, frameon=False)
 
+    def _skipped_this_step(self) -> int:
+        """How many skipped tiles the last step passed over (they are shown with it)."""
+        if self.position == 0:
+            return 0
+        kinds = self._kind[:self.position - 1][::-1]  # the events before the current one, newest first
+        run = np.flatnonzero(kinds != SKIPPED)
+        return int(run[0]) if run.size else len(kinds)
+
     def _algo_name(self) -> str:
         return self.order.value.upper()
 
     def _status_text(self) -> str:
         event = self.current_event()
         reads, writes, flops = self.counts()
+        passed = self._skipped_this_step()
         if event is None:
             what = "Press Step or Play."
         elif event.kind == "compute":
@@ -321,8 +392,11 @@ class TilingSimulator(FigureWidget):
             what = f"Q block {event.q_block} finished: o and lse written to HBM."
         else:
             what = "All tiles done; last pass wrote lse = m + log l."
+        if passed and event is not None and event.kind != "skip":
+            what += (f" On the way, {passed} tile{'s' if passed > 1 else ''} skipped (the causal "
+                     f"mask hides {'them' if passed > 1 else 'it'}: never loaded, no step spent).")
         std = self.standard
-        return (f"<b>Step {self.position} / {self.n_events}</b> — {what}<br>"
+        return (f"<b>Step {self.step_index} / {self.n_steps}</b> — {what}<br>"
                 f"{self._algo_name()} so far: reads {_fmt(reads)}, writes {_fmt(writes)}, "
                 f"FLOPs {_fmt(flops)} &nbsp;|&nbsp; {self._algo_name()} total: "
                 f"{_fmt(self.total.reads)} / {_fmt(self.total.writes)} / {_fmt(self.total.flops)}"
@@ -333,10 +407,10 @@ class TilingSimulator(FigureWidget):
         """Update the arrays and bars for :attr:`position` and render the figure."""
         self.step_button.disabled = self.done
         self.status.value = self._status_text()
-        self.grid_image.set_data(self.grid_state())
+        self.grid_image.set_array(self.grid_state())
         q_strip, kv_strip = self.strip_states()
-        self.q_image.set_data(q_strip[:, None])
-        self.kv_image.set_data(kv_strip[None, :])
+        self.q_image.set_array(q_strip[:, None])
+        self.kv_image.set_array(kv_strip[None, :])
         reads, writes, _ = self.counts()
         totals = (self.total.reads, self.total.writes)
         standard = (self.standard.reads, self.standard.writes)
