@@ -32,7 +32,8 @@ def _rejected(check, kernel, *fragments):
     assert message.startswith("✗ Exercise 5."), message
     for fragment in fragments:
         assert fragment in message, message
-    assert len(message.splitlines()) <= 6, message  # a diagnosis, not a wall
+    assert len(message.splitlines()) <= 9, message  # a diagnosis, not a wall
+    assert "Traceback" not in message, message
     return message
 
 
@@ -129,14 +130,17 @@ def test_add_stub_is_not_done_and_falls_back(capsys):
 
 
 @pytest.mark.parametrize("kernel, fragments", [
-    (add_no_mask, ("outside out", "mask the tl.store")),
-    (add_store_unmasked, ("outside out", "mask the tl.store")),
-    (add_mask_off_by_one, ("wrote 1 value(s) outside out",)),
-    (add_pid_not_scaled, ("never written", "pid * BLOCK_SIZE")),
-    (add_wrong_axis, ("never written", "pid * BLOCK_SIZE")),
+    (add_no_mask, ("tl.load in program id (7, 0, 0)", "`x` (1823,) at index (1823,)",
+                   "this tl.load needs mask=offsets < n_elements")),
+    (add_store_unmasked, ("tl.store in program id (7, 0, 0)", "`out` (1823,) at index (1823,)",
+                          "the tl.store needs mask=offsets < n_elements")),
+    (add_mask_off_by_one, ("1 of its 32 active lane(s)", "<= where < is meant")),
+    (add_pid_not_scaled, ("were never written; the first at index (263,)",
+                          "program pid = 263 // BLOCK_SIZE = 1")),
+    (add_wrong_axis, ("never written", "program pid = 256 // BLOCK_SIZE = 1")),
     (add_x_twice, ("likely cause: x is loaded twice",)),
     (add_typo, ("NameError", "offset", "is not defined")),
-    (add_into_x, ("your kernel wrote into its input `x`", "case 1 of 5")),
+    (add_into_x, ("`x` is an input (read-only)", "case 1 of 6")),
 ], ids=lambda v: getattr(v, "__name__", "")[:30])
 def test_add_mistakes_are_rejected_with_their_cause(kernel, fragments):
     _rejected(ch05.check_add_kernel, kernel, *fragments)
@@ -150,7 +154,7 @@ ON_GPU_REASON = ("a kernel that never ends cannot be interrupted on a GPU (the t
 def test_add_kernel_that_loops_forever_is_stopped():
     with pytest.raises(ExerciseFailed, match="stopped after 1 s"):
         kernel_checks.check_kernel("Exercise 5.1", add_forever, ch05.add_runner(add_forever),
-                          primer.vector_add_reference, ch05._add_cases("cpu"),
+                          ch05._add_reference, ch05._add_cases("cpu"),
                           fallback=primer.add_kernel, time_limit=1)
 
 
@@ -184,7 +188,7 @@ def add_floods(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
 def _assert_library_kernel_passes_next(capsys):
     capsys.readouterr()
     assert ch05.check_add_kernel(primer.add_kernel) is primer.add_kernel
-    assert capsys.readouterr().out.splitlines() == ["✓ Exercise 5.1: passed (5 cases)."]
+    assert capsys.readouterr().out.splitlines() == ["✓ Exercise 5.1: passed (6 cases)."]
 
 
 @pytest.mark.skipif(runtime.current().on_gpu, reason=ONLY_INTERPRETED_REASON)
@@ -205,7 +209,7 @@ def test_kernel_that_prints_a_flood_shows_an_excerpt(capsys):
     message = str(info.value)
     assert len(message) < MAX_MESSAGE_CHARS
     assert "likely cause: x is loaded twice" in message
-    assert "your kernel printed 2.4 MB:" in message and "MB more output hidden" in message
+    assert "your kernel printed" in message and "MB more output hidden" in message
     captured = capsys.readouterr()
     assert "xxxx" not in captured.out + captured.err
     _assert_library_kernel_passes_next(capsys)
@@ -317,12 +321,14 @@ def test_softmax_stub_is_not_done_and_falls_back(capsys):
 
 @pytest.mark.parametrize("kernel, fragments", [
     (softmax_other_zero, ("likely cause: the masked lanes were loaded as 0",)),
-    (softmax_load_unmasked, ("depends on memory outside the inputs", "mask it with cols < n_cols")),
-    (softmax_store_unmasked, ("outside out", "mask the tl.store")),
-    (softmax_rows_by_n_cols, ("outside the inputs", "in_row_stride")),
-    (softmax_no_max, ("NaN or inf", "subtract the running max")),
+    (softmax_load_unmasked, ("`x` (37, 781) at index (0, 781)",
+                             "the tl.load needs mask=cols < n_cols, other=-float('inf')")),
+    (softmax_store_unmasked, ("`out` (37, 781) at index (0, 781)", "the tl.store needs mask=cols < n_cols")),
+    (softmax_rows_by_n_cols, ("tl.load in program id (1, 0, 0)", "wrong when only `x` (strides (788, 1))")),
+    (softmax_no_max, ("wrong answer on case 5", "overflow encountered in exp at line",
+                      "likely cause: the max is not subtracted")),
     (softmax_unnormalised, ("likely cause: the row is not divided by its sum",)),
-    (softmax_out_stride_mixed_up, ("out_row_stride",)),
+    (softmax_out_stride_mixed_up, ("tl.store in program id (1, 0, 0)", "`out` has this case's layout")),
     (softmax_arange_n_cols, ("failed on case 1",)),
 ], ids=lambda v: getattr(v, "__name__", "")[:30])
 def test_softmax_mistakes_are_rejected_with_their_cause(kernel, fragments):
@@ -552,21 +558,21 @@ def test_matmul_stub_is_not_done_and_falls_back(capsys):
 
 
 @pytest.mark.parametrize("kernel, fragments", [
-    (matmul_no_k_mask, ("case 1 of", "outside the inputs", "last K tile sticks out past K",
+    (matmul_no_k_mask, ("case 1 of", "`a` (77, 45) at index (0, 45)", "sticks out past K",
                         "other=0.0")),
-    (matmul_a_strides_swapped, ("outside the inputs", "A's row and column strides are swapped")),
-    (matmul_acc_in_input_dtype, ("partial sums past fp16's max", "NaN or inf",
-                                 "accumulator overflowed", "keep acc in fp32")),
+    (matmul_a_strides_swapped, ("tl.load in program id (1, 0, 0)", "`a` (77, 45)")),
+    (matmul_acc_in_input_dtype, ("partial sums past fp16's max", "NaN/inf", "overflow encountered",
+                                 "likely cause: the accumulator is in the inputs' dtype")),
     (matmul_k_not_advanced, ("wrong answer on case 1", "output tile of program",
                              "likely cause: the K pointers never move")),
     (matmul_acc_overwritten, ("wrong answer on case 1", "likely cause: acc = tl.dot(a, b) "
                               "replaces the sum")),
     (matmul_m_masked_with_n, ("wrong answer on case 1", "index (61, 0)",
                               "(pid_m=1, pid_n=0): rows 32–63",
-                              "likely cause: a load mask compares rows with N")),
-    (matmul_store_unmasked, ("outside c (77, 61)", "mask the tl.store with (offs_m[:, None] < M)")),
-    (matmul_program_ids_swapped, ("never written", "output tile of program",
-                                  "tl.program_id(0), tl.program_id(1)")),
+                              "likely cause: A's load masks its rows with N")),
+    (matmul_store_unmasked, ("`c` (77, 61) at index (0, 61)", "the tl.store needs mask=(offs_n[None, :] < N)")),
+    (matmul_program_ids_swapped, ("never written; the first at index (0, 48)",
+                                  "output tile of program (pid_m=0, pid_n=3)")),
 ], ids=lambda v: getattr(v, "__name__", "")[:30])
 def test_matmul_mistakes_are_rejected_with_their_cause(kernel, fragments):
     _rejected(ch05.check_matmul_kernel, kernel, *fragments)
@@ -601,3 +607,202 @@ def test_matmul_hints_and_skeleton_fit_the_hint_ladder():
     assert ladder.show_skeleton() == ch05.MATMUL_SKELETON
     ast.parse(ch05.MATMUL_SKELETON)  # valid Python, with `...` where the learner writes
     assert "tl.float32" in ch05.MATMUL_SKELETON and "tl.cdiv(K, BLOCK_K)" in ch05.MATMUL_SKELETON
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpora written from the solution notebook's own answers, one realistic change each (a line
+# dropped, an operator, a stride or a bound wrong), loaded as modules: the kernel under test is
+# what a learner would have typed. Each must be rejected, and the cause named must be the right
+# one, or none at all. Valid alternatives in other styles must pass.
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SOLUTION_NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05_triton_primer.ipynb"
+HEADER = "import torch\nimport triton\nimport triton.language as tl\n\n"
+
+
+def _solution(prefix: str) -> str:
+    for cell in json.loads(SOLUTION_NOTEBOOK.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(prefix):
+            return source
+    raise AssertionError(f"no cell starting with {prefix!r} in {SOLUTION_NOTEBOOK}")
+
+
+def _kernel(tmp_path, prefix, name, changes=(), source=None):
+    """The notebook's exercise cell (or ``source``) with ``changes`` applied, as a module's kernel."""
+    source = source if source is not None else _solution(prefix)
+    for old, new in changes:
+        assert old in source, f"the solution no longer contains {old!r}: update the corpus"
+        source = source.replace(old, new)
+    module_name = re.sub(r"\W", "_", f"{prefix}_{name}")[-60:]
+    path = tmp_path / f"{module_name}.py"
+    path.write_text(HEADER + source)  # @triton.jit reads the source from a file
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = re.search(r"def (\w+_kernel)\(", source).group(1)
+    return getattr(module, kernel)
+
+
+def _judge(check, kernel, cause: str | None, *fragments):
+    """Rejected; the right cause named (``cause``), or — when ``cause`` is None — none at all."""
+    message = _rejected(check, kernel, *fragments)
+    named = re.findall(r"likely cause: (.*)", message)
+    if cause is None:
+        assert not named and "two known mistakes" not in message, message
+    else:
+        assert named and named[0].startswith(cause), message
+    return message
+
+
+ADD = "# Exercise 5.1"
+ADD_CORPUS = {  # name -> (changes, the cause to name or None, fragments)
+    "no-mask-anywhere": ([("mask = offsets < n_elements", "mask = None")], None,
+                         ("needs mask=offsets < n_elements",)),
+    "mask-le": ([("offsets < n_elements", "offsets <= n_elements")], None, ("<= where < is meant",)),
+    "mask-against-block": ([("offsets < n_elements", "offsets < BLOCK_SIZE")], None,
+                           ("were never written; the first at index (256,)",)),
+    "y-from-x": ([("tl.load(y_ptr + offsets", "tl.load(x_ptr + offsets")],
+                 "x is loaded twice", ()),
+    "x-from-y": ([("tl.load(x_ptr + offsets", "tl.load(y_ptr + offsets")],
+                 "y is loaded twice", ()),
+    "minus": ([("x + y, mask", "x - y, mask")], "the kernel subtracts", ()),
+    "stores-x": ([("x + y, mask", "x, mask")], "the kernel stores x alone", ()),
+    "block-written-in": ([("pid * BLOCK_SIZE", "pid * 256")], None, ("never written",)),
+    "no-pid": ([("pid * BLOCK_SIZE + ", "")], None, ("never written",)),
+    "store-into-y": ([("tl.store(out_ptr", "tl.store(y_ptr")], None, ("`y` is an input",)),
+    "pid-plus": ([("pid * BLOCK_SIZE", "pid + BLOCK_SIZE")], None, ()),
+}
+ADD_VALID = {
+    "other-zero": [("tl.load(x_ptr + offsets, mask=mask)", "tl.load(x_ptr + offsets, mask=mask, other=0.0)")],
+    "fp32-sum": [("x + y, mask", "(x.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask")],
+    "block-start": [("offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                     "block_start = pid * BLOCK_SIZE\n    offsets = block_start + tl.arange(0, BLOCK_SIZE)")],
+    "pointer-blocks": [("x = tl.load(x_ptr + offsets, mask=mask)", "x_ptrs = x_ptr + offsets\n    x = tl.load(x_ptrs, mask=mask)")],
+}
+
+
+@pytest.mark.parametrize("name", list(ADD_CORPUS))
+def test_add_corpus_is_rejected_with_the_right_cause_or_none(tmp_path, name):
+    changes, cause, fragments = ADD_CORPUS[name]
+    _judge(ch05.check_add_kernel, _kernel(tmp_path, ADD, name, changes), cause, *fragments)
+
+
+@pytest.mark.parametrize("name", list(ADD_VALID))
+def test_add_valid_alternatives_pass(tmp_path, name, capsys):
+    kernel = _kernel(tmp_path, ADD, name, ADD_VALID[name])
+    assert ch05.check_add_kernel(kernel) is kernel
+    assert "✓ Exercise 5.1: passed" in capsys.readouterr().out
+
+
+SOFTMAX = "# Exercise 5.2"
+SOFTMAX_CORPUS = {
+    "other-zero": ([('other=-float("inf")', "other=0.0")], "the masked lanes were loaded as 0", ()),
+    "no-other": ([(', other=-float("inf")', "")], "the masked lanes were loaded as 0", ()),
+    "no-max": ([("x = x - tl.max(x, axis=0)", "")], "the max is not subtracted before exp", ()),
+    "no-division": ([("y = numerator / tl.sum(numerator, axis=0)", "y = numerator")],
+                    "the row is not divided by its sum", ()),
+    "out-stride-for-input": ([("in_ptr + row * in_row_stride", "in_ptr + row * out_row_stride")],
+                             None, ("`x` (strides",)),
+    "in-stride-for-output": ([("out_ptr + row * out_row_stride", "out_ptr + row * in_row_stride")],
+                             None, ("`out` has this case's layout",)),
+    "dense-rows": ([("row * in_row_stride", "row * n_cols"), ("row * out_row_stride", "row * n_cols")],
+                   None, ()),
+    "load-unmasked": ([(', mask=mask, other=-float("inf"))', ")")], None,
+                      ("the tl.load needs mask=cols < n_cols",)),
+    "store-unmasked": ([(", y.to(out_ptr.dtype.element_ty), mask=mask)", ", y.to(out_ptr.dtype.element_ty))")],
+                       None, ("the tl.store needs mask=cols < n_cols",)),
+    "max-in-numerator-only": ([("x = x - tl.max(x, axis=0)", "x_max = tl.max(x, axis=0)"),
+                                ("numerator = tl.exp(x)", "numerator = tl.exp(x - x_max)"),
+                                ("y = numerator / tl.sum(numerator, axis=0)",
+                                 "y = numerator / tl.sum(tl.exp(x), axis=0)")],
+                               "the max is subtracted in the numerator only", ()),
+}
+SOFTMAX_VALID = {
+    "exp2": [("numerator = tl.exp(x)", "numerator = tl.exp2(x * 1.4426950408889634)")],
+    "mask-with-where": [('x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=-float("inf"))',
+                         "x = tl.load(in_ptr + row * in_row_stride + cols, mask=mask, other=0.0)\n"
+                         '    x = tl.where(mask, x.to(tl.float32), -float("inf"))')],
+    "reciprocal": [("y = numerator / tl.sum(numerator, axis=0)",
+                    "y = numerator * (1.0 / tl.sum(numerator, axis=0))")],
+    "pointers-first": [("row = tl.program_id(axis=0)",
+                        "row = tl.program_id(axis=0)\n    in_ptr = in_ptr + row * in_row_stride\n"
+                        "    out_ptr = out_ptr + row * out_row_stride"),
+                       ("in_ptr + row * in_row_stride + cols", "in_ptr + cols"),
+                       ("out_ptr + row * out_row_stride + cols", "out_ptr + cols")],
+}
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_CORPUS))
+def test_softmax_corpus_is_rejected_with_the_right_cause_or_none(tmp_path, name):
+    changes, cause, fragments = SOFTMAX_CORPUS[name]
+    _judge(ch05.check_softmax_kernel, _kernel(tmp_path, SOFTMAX, name, changes), cause, *fragments)
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_VALID))
+def test_softmax_valid_alternatives_pass(tmp_path, name, capsys):
+    kernel = _kernel(tmp_path, SOFTMAX, name, SOFTMAX_VALID[name])
+    assert ch05.check_softmax_kernel(kernel) is kernel
+    assert "✓ Exercise 5.2: passed" in capsys.readouterr().out
+
+
+MATMUL = "# Exercise 5.3"
+MATMUL_CORPUS = {
+    "k-mask-missing": ([(" & (offs_k[None, :] < k_left)", ""), ("(offs_k[:, None] < k_left) & ", "")],
+                       None, ("sticks out past K",)),
+    "a-strides-swapped": ([("offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak",
+                            "offs_m[:, None] * stride_ak + offs_k[None, :] * stride_am")], None, ()),
+    "b-row-stride-both": ([("offs_n[None, :] * stride_bn", "offs_n[None, :] * stride_bk")], None, ()),
+    "c-strides-of-a": ([("offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn",
+                         "offs_m[:, None] * stride_am + offs_n[None, :] * stride_ak")], None, ()),
+    "no-advance": ([("        a_ptrs += BLOCK_K * stride_ak", ""), ("        b_ptrs += BLOCK_K * stride_bk", "")],
+                   "the K pointers never move", ()),
+    "advance-by-one": ([("a_ptrs += BLOCK_K * stride_ak", "a_ptrs += stride_ak"),
+                        ("b_ptrs += BLOCK_K * stride_bk", "b_ptrs += stride_bk")], None, ()),
+    "acc-replaced": ([("acc = tl.dot(a, b, acc)", "acc = tl.dot(a, b)")], "acc = tl.dot(a, b) replaces", ()),
+    "fp16-acc": ([("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+                   "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=a_ptr.dtype.element_ty)"),
+                  ("acc = tl.dot(a, b, acc)", "acc += tl.dot(a, b).to(a_ptr.dtype.element_ty)")],
+                 "the accumulator is in the inputs' dtype", ()),
+    "rows-masked-with-n": ([("a = tl.load(a_ptrs, mask=(offs_m[:, None] < M)", "a = tl.load(a_ptrs, mask=(offs_m[:, None] < N)")],
+                           "A's load masks its rows with N", ()),
+    "cols-masked-with-m": ([("b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N)",
+                             "b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < M)")],
+                           None, ()),
+    "pids-swapped": ([("pid_m = tl.program_id(axis=0)", "pid_m = tl.program_id(axis=1)"),
+                      ("pid_n = tl.program_id(axis=1)", "pid_n = tl.program_id(axis=0)")], None, ("never written",)),
+    "block-m-for-n": ([("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+                        "offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_N)")], None, ()),
+    "store-unmasked": ([(", acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))",
+                         ", acc.to(c_ptr.dtype.element_ty))")], None, ("`c`",)),
+    "k-left-from-block": ([("k_left = K - k * BLOCK_K", "k_left = BLOCK_K")], None, ()),
+}
+MATMUL_VALID = {
+    "acc-plus-equals": [("acc = tl.dot(a, b, acc)", "acc += tl.dot(a, b)")],
+    "k-offsets-in-loop": [("    for k in range(0, tl.cdiv(K, BLOCK_K)):\n        k_left = K - k * BLOCK_K",
+                           "    for k in range(0, tl.cdiv(K, BLOCK_K)):\n        k_left = K - k * BLOCK_K\n"
+                           "        a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k * BLOCK_K + offs_k[None, :]) * stride_ak\n"
+                           "        b_ptrs = b_ptr + (k * BLOCK_K + offs_k[:, None]) * stride_bk + offs_n[None, :] * stride_bn"),
+                          ("        a_ptrs += BLOCK_K * stride_ak", ""), ("        b_ptrs += BLOCK_K * stride_bk", "")],
+    "k-start-loop": [("for k in range(0, tl.cdiv(K, BLOCK_K)):\n        k_left = K - k * BLOCK_K",
+                      "for k0 in range(0, K, BLOCK_K):\n        k_left = K - k0")],
+    "masks-named": [("    c_ptrs = c_ptr", "    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)\n    c_ptrs = c_ptr"),
+                    ("mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))\n", "mask=c_mask)\n")],
+}
+
+
+@pytest.mark.parametrize("name", list(MATMUL_CORPUS))
+def test_matmul_corpus_is_rejected_with_the_right_cause_or_none(tmp_path, name):
+    changes, cause, fragments = MATMUL_CORPUS[name]
+    _judge(ch05.check_matmul_kernel, _kernel(tmp_path, MATMUL, name, changes), cause, *fragments)
+
+
+@pytest.mark.parametrize("name", list(MATMUL_VALID))
+def test_matmul_valid_alternatives_pass(tmp_path, name, capsys):
+    kernel = _kernel(tmp_path, MATMUL, name, MATMUL_VALID[name])
+    assert ch05.check_matmul_kernel(kernel) is kernel
+    assert "✓ Exercise 5.3: passed" in capsys.readouterr().out

@@ -1,133 +1,527 @@
 """Checks for chapter 05 (Triton primer): exercises 5.1 (vector add), 5.2 (fused row softmax)
 and 5.3 (tiled matmul, with a hint ladder and a skeleton).
 
-The learner's answers are ``@triton.jit`` kernels; :mod:`course_lib.kernel_checks` runs them on
-guarded buffers and turns their errors into one diagnosis. This module holds the cases, the known
-mistakes and one check per exercise.
+The learner's answers are ``@triton.jit`` kernels. Each case places every tensor in its own
+guarded buffer and layout (:class:`LayoutRun`; chapter 06 uses it too), the memory guard of
+:mod:`course_lib.kernel_checks` checks every access in the interpreter, and
+:func:`course_lib.checks.check_function` names a likely cause only when exactly one mistake model
+reproduces the kernel's output on every case. This module holds the cases, the mistake models
+and one check per exercise.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from course_lib.checks import learner_check
-from course_lib import checks, primer, runtime
-from course_lib.checks import Case
-from course_lib.kernel_checks import INPUT_MARGIN_REFILL, GuardedRun, Output, check_kernel, embed
+from course_lib import checks, kernel_checks, primer, runtime
+from course_lib.checks import Case, ExerciseFailed, learner_check
+from course_lib.kernel_checks import (INPUT_MARGIN_FILL, INPUT_MARGIN_REFILL, OUTPUT_SENTINEL,
+                                      KernelProblem, check_kernel, embed)
+
+# ----------------------------------------------------------------------------------------------
+# Guarded runs on varied layouts (shared with chapter 06)
+#
+# A kernel exercise's contract says "any strides": each tensor of a case is placed in its own
+# guarded buffer with its own layout (row-major with gaps between rows, column-major, heads
+# interleaved with rows, ...), so that a kernel that uses one tensor's stride for another, or
+# assumes a dense layout, is wrong on some case. The memory guard of :mod:`kernel_checks` checks
+# every access in the interpreter; what a run observes (an access outside the tensors, elements
+# never written, NaN and the operation that made it first) becomes the diagnosis, and after a
+# wrong answer :func:`layout_experiments` reruns the case with one tensor's layout at a time to
+# find whose strides the kernel gets wrong.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor lies in its guarded buffer.
+
+    ``order`` lists the tensor's dims from the outermost in memory to the innermost (``(1, 0)``
+    is a column-major matrix); ``pad`` is the extra size of each buffer dim, in that order (a pad
+    on the innermost dim leaves gaps between rows, on the outermost one room past the end).
+    """
+
+    order: tuple
+    pad: tuple
+
+    @classmethod
+    def dense(cls, ndim: int) -> "Layout":
+        return cls(tuple(range(ndim)), (0,) * ndim)
+
+    def strides(self, shape) -> tuple:
+        """The element strides a tensor of ``shape`` gets in this layout."""
+        return tuple(place(torch.empty(shape), self, 0.0)[0].stride())
+
+
+def place(x: torch.Tensor, layout: "Layout | None", fill: float):
+    """``(view, buffer)``: a copy of ``x`` laid out as ``layout`` in a buffer filled with ``fill``
+    (default layout: dense row-major)."""
+    layout = layout or Layout.dense(x.ndim)
+    view, buffer = embed(x.permute(layout.order), layout.pad, fill)
+    inverse = sorted(range(x.ndim), key=lambda d: layout.order[d])
+    return view.permute(inverse), buffer
+
+
+class LayoutCase(Case):
+    """A :class:`Case` whose ``layouts`` kwarg the diagnosis leaves out (its label says them)."""
+
+    def describe(self) -> str:
+        hidden = Case(self.args, {k: v for k, v in (self.kwargs or {}).items() if k != "layouts"},
+                      self.label)
+        return hidden.describe()
+
+
+@dataclass
+class Out:
+    """An output the check allocates: its name, ``shape_dtype(*inputs, **params)`` and
+    ``locate(index) -> text`` (which program owns an element), used when elements stay unwritten."""
+
+    name: str
+    shape_dtype: Callable
+    locate: Callable | None = None
+
+
+_GUARD_LINE = re.compile(r"would (read|write) (\d+) of its (\d+) active lane")
+_GUARD_LANE = re.compile(r"first bad lane: `([^`]+)` \(([\d, ]*)\) at index \(([\d, ]*)\)")
+
+
+def guard_evidence(message: str) -> dict | None:
+    """What a :class:`kernel_checks.MemoryViolation` message says, as fields: ``op`` (read or
+    write), ``bad`` and ``lanes`` (counts), ``tensor``, ``shape``, ``index``; None when the
+    message has none of them (e.g. a store into an input)."""
+    line, lane = _GUARD_LINE.search(message), _GUARD_LANE.search(message)
+    if not (line and lane):
+        return None
+    ints = lambda text: tuple(int(v) for v in text.split(",") if v.strip())  # noqa: E731
+    return {"op": line.group(1), "bad": int(line.group(2)), "lanes": int(line.group(3)),
+            "tensor": lane.group(1), "shape": ints(lane.group(2)), "index": ints(lane.group(3))}
+
+
+def _first_fp_error(exc: BaseException) -> str | None:
+    """'overflow encountered in exp at line 12: `e = tl.exp(x)`' from the FloatingPointError in
+    ``exc``'s chain (NumPy raising inside Triton's interpreter), or None."""
+    for e in kernel_checks.exception_chain(exc):
+        if isinstance(e, FloatingPointError):
+            frame = checks.learner_frame(e)
+            where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+            return f"{e}{where}"
+    return None
+
+
+@dataclass
+class LayoutRun:
+    """Run a kernel on guarded copies of a case's inputs, each in the layout the case gives it.
+
+    ``launch(*input_views, *output_views, **params)`` launches the learner's kernel. Called as
+    ``run(*inputs, layouts=(...), **params)``: ``layouts`` has one :class:`Layout` (or None) per
+    input and then per output. Returns the outputs as they are, NaN included: check_function
+    compares them and the mistake models explain them. Raises :class:`KernelProblem` for what
+    only the run can see: an access outside the tensors (the guard, with ``guard_hint``'s line),
+    a store into an input, elements never written, a NaN that came from outside the inputs (GPU).
+    """
+
+    launch: Callable
+    names: Sequence[str]
+    outputs: Sequence[Out]
+    guard_hint: Callable | None = None  # guard_hint(evidence dict, params) -> extra line or None
+    nonfinite: dict = field(default_factory=dict)  # call number -> the first FP error seen
+    calls: int = 0
+
+    def launch_guarded(self, inputs, layouts, fill, params, trace=False):
+        layouts = tuple(layouts or ()) + (None,) * (len(inputs) + len(self.outputs))
+        placed = [place(x, lay, fill) for x, lay in zip(inputs, layouts)]
+        pristine = [buffer.clone() for _, buffer in placed]
+        outs = []
+        for spec, lay in zip(self.outputs, layouts[len(inputs):]):
+            shape, dtype = spec.shape_dtype(*inputs, **params)
+            view, buffer = place(torch.empty(shape, dtype=dtype, device=inputs[0].device), lay,
+                                 OUTPUT_SENTINEL)
+            view.fill_(OUTPUT_SENTINEL)
+            outs.append((view, buffer))
+        errstate = (np.errstate(over="raise", divide="raise", invalid="raise", under="ignore")
+                    if trace else contextlib.nullcontext())
+        with warnings.catch_warnings(), errstate, kernel_checks.memory_guard() as guard:
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings
+            for name, (view, _) in zip(self.names, placed):
+                guard.allow(name, view)
+            for spec, (view, _) in zip(self.outputs, outs):
+                guard.allow(spec.name, view, write=True)
+            try:
+                self.launch(*(v for v, _ in placed), *(v for v, _ in outs), **params)
+            except Exception as exc:  # noqa: BLE001 - the guard's diagnosis, with this chapter's hint
+                violation = next((e for e in kernel_checks.exception_chain(exc)
+                                  if isinstance(e, kernel_checks.MemoryViolation)), None)
+                if violation is None:
+                    raise
+                hint = self.guard_hint and self.guard_hint(guard_evidence(str(violation)), params)
+                raise kernel_checks.MemoryViolation(
+                    str(violation) + (f"\n  {hint}" if hint else "")) from None
+        if inputs[0].device.type == "cuda":
+            torch.cuda.synchronize()
+        for name, (_, buffer), before in zip(self.names, placed, pristine):
+            if not checks.same_value(before, buffer):
+                raise KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+                                    f"read-only: tl.store only to the output pointer(s) (two "
+                                    f"pointer arguments swapped?)")
+        return outs
+
+    def __call__(self, *inputs, layouts=None, **params):
+        self.calls += 1
+        outs = self.launch_guarded(inputs, layouts, INPUT_MARGIN_FILL, params)
+        results = []
+        for spec, (view, buffer) in zip(self.outputs, outs):
+            sentinel = torch.tensor(OUTPUT_SENTINEL, dtype=buffer.dtype, device=buffer.device)
+            outside = int((buffer != sentinel).sum()) - int((view != sentinel).sum())
+            if outside:  # (on a GPU; in the interpreter the guard stops such a store first)
+                raise KernelProblem(f"your kernel wrote {outside} value(s) outside {spec.name} "
+                                    f"{tuple(view.shape)}: a tl.store without a mask, or with a "
+                                    f"wrong offset or stride")
+            unwritten = view == sentinel
+            if unwritten.any():
+                first = tuple(int(i) for i in torch.nonzero(unwritten)[0])
+                where = f"\n  {spec.locate(first, **params)}" if spec.locate else ""
+                raise KernelProblem(f"{int(unwritten.sum())} of the {view.numel()} elements of "
+                                    f"{spec.name} {tuple(view.shape)} were never written; the "
+                                    f"first at index {first}{where}")
+            results.append(view.clone())
+        if any(not torch.isfinite(r).all() for r in results) and all(
+                torch.isfinite(x).all() for x in inputs):
+            again = [v for v, _ in self.launch_guarded(inputs, layouts, INPUT_MARGIN_REFILL, params)]
+            if all(torch.isfinite(r).all() for r in again):  # (on a GPU: the guard is off there)
+                raise KernelProblem("the output depends on memory outside the inputs (their "
+                                    "margins hold NaN, and NaN came out): a tl.load without a "
+                                    "mask, or with a wrong offset or stride")
+            if runtime.current().interpreted:
+                try:
+                    self.launch_guarded(inputs, layouts, INPUT_MARGIN_REFILL, params, trace=True)
+                except Exception as exc:  # noqa: BLE001 - evidence only
+                    error = _first_fp_error(exc)
+                    if error:
+                        self.nonfinite[self.calls] = error
+        return results[0] if len(results) == 1 else tuple(results)
+
+
+def with_evidence(message: str, run: LayoutRun) -> str:
+    """``message`` with the first floating-point error the run saw on the case it shows."""
+    found = re.search(r"wrong answer on case (\d+)", message)
+    error = found and run.nonfinite.get(int(found.group(1)))
+    if not error:
+        return message
+    lines = message.splitlines()
+    at = next((i for i, line in enumerate(lines) if "NaN/inf" in line), 2)
+    lines.insert(at + 1, f"  the first invalid operation NumPy saw in your kernel on that case: "
+                         f"{error}")
+    return "\n".join(lines)
+
+
+def layout_experiments(correct: Callable, case: Case, names: Sequence[str]) -> str | None:
+    """Which tensors' layouts a wrong answer depends on, found by rerunning ``case``.
+
+    ``correct(case) -> bool`` runs the learner's kernel (False when it fails in any way). The
+    case is rerun with every tensor dense and row-major, then with one tensor at a time in the
+    case's own layout. Returns a line naming the tensors whose own layout alone makes the
+    answer wrong, or None when the answer is wrong on dense tensors too (not a layout problem).
+    """
+    kwargs = dict(case.kwargs or {})
+    layouts = tuple(kwargs.get("layouts") or ())
+    if not any(layouts):
+        return None
+    dense = tuple(None for _ in layouts)
+    if not correct(LayoutCase(case.args, {**kwargs, "layouts": dense})):
+        return None
+    culprits = []
+    for i, lay in enumerate(layouts):
+        if lay is None:
+            continue
+        alone = tuple(lay if j == i else None for j in range(len(layouts)))
+        if not correct(LayoutCase(case.args, {**kwargs, "layouts": alone})):
+            shape = case.args[i].shape if i < len(case.args) else None
+            strides = lay.strides(shape) if shape is not None else None
+            culprits.append(f"`{names[i]}`" + (f" (strides {strides})" if strides else ""))
+    if not culprits:
+        return ("your kernel is right when every tensor is dense and row-major, and when any one "
+                "of them has this case's layout, but not with all of them: a stride of one "
+                "tensor is used for another")
+    return (f"your kernel is right when every tensor is dense and row-major, and wrong when only "
+            f"{' or '.join(culprits)} has this case's layout: look at how the kernel steps "
+            f"through {'that tensor' if len(culprits) == 1 else 'those tensors'} — each offset "
+            f"times that tensor's own stride for that dim")
+
+
+def _quietly(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its prints swallowed and a time limit."""
+    import io
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        return checks.call_with_time_limit(fn, args, kwargs, kernel_checks.KERNEL_TIME_LIMIT_S)
+
+
+def _insert_before_tail(lines: list[str], line: str) -> list[str]:
+    """``lines`` with ``line`` before the "(also wrong on ...)" and printed-output lines."""
+    at = next((i for i, text in enumerate(lines) if i and (text.startswith("  (also wrong")
+                                                            or text.startswith("  your kernel printed"))),
+              len(lines))
+    return lines[:at] + [line] + lines[at:]
+
+
+def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callable,
+                        cases: Sequence[Case], *, fallback, mistakes: dict, names: Sequence[str],
+                        tolerance=None, locate: Callable | None = None):
+    """:func:`kernel_checks.check_kernel` on cases whose kwargs give layouts and launch
+    parameters; adds the evidence of the run (the first invalid floating-point operation) and
+    of :func:`layout_experiments` to a failure's diagnosis. ``reference`` and the mistake
+    models take the case's kwargs (``layouts=`` included; they may ignore it)."""
+    try:
+        return check_kernel(exercise, answer, run, reference, cases, fallback=fallback,
+                            mistakes=mistakes, tolerance=tolerance)
+    except ExerciseFailed as failed:
+        message = with_evidence(str(failed), run)
+        lines = message.splitlines()
+        if locate is not None:  # which program owns the first bad element of the output
+            for i, line in enumerate(lines):
+                found = re.search(r"first bad element at index \(([\d, ]+)\)", line)
+                if found:
+                    index = tuple(int(v) for v in found.group(1).split(",") if v.strip())
+                    case = cases[int(re.search(r"case (\d+)", lines[0]).group(1)) - 1]
+                    lines.insert(i + 1, f"  {locate(index, **(case.kwargs or {}))}")
+                    break
+        found = re.search(r"on case (\d+) of", message)
+        skip = ("stopped after", "sys.exit", "KeyboardInterrupt", "likely cause", "two known mistakes")
+        if found and not any(s in message for s in skip):
+            case = cases[int(found.group(1)) - 1]
+
+            def correct(c: Case) -> bool:
+                try:
+                    kwargs = dict(c.kwargs or {})
+                    got = _quietly(run, *checks._copy_value(tuple(c.args)), **kwargs)
+                    atol, rtol = tolerance or checks._default_tolerance(
+                        want := reference(*c.args, **kwargs))
+                    return checks.compare(got, want, atol, rtol) is None
+                except (Exception, SystemExit):  # noqa: BLE001 - any failure is "not right"
+                    return False
+
+            line = layout_experiments(correct, case, names)
+            if line:  # the layout explains it: drop the guess about masks
+                lines = _insert_before_tail([x for x in lines if not x.startswith("  hint: ")],
+                                            f"  {line}")
+        raise checks.failed_with(exercise, "\n".join(lines)) from None
+
+
+def _params(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k != "layouts"}
+
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 5.1: add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE)
 
-# Vector lengths: not multiples of any block size, one shorter than a block, one of exactly a
-# block (no tail), so every way of getting the tail wrong shows.
-ADD_LENGTHS = (1823, 97, 1024, 4099)
-ADD_BLOCK = 256  # small blocks in the checks: several programs even for short vectors
+# (length, BLOCK_SIZE): lengths that are not multiples of the block, one shorter than a block,
+# one of exactly a block (no tail); several block sizes, so that a kernel with a block size
+# written into it shows.
+ADD_CASES = ((1823, 256), (97, 128), (1024, 256), (4099, 512), (300, 64))
+ADD_BLOCK = 256  # the block size of the notebook's own launch
+
+
+def _add_layout(n: int, block: int) -> Layout:
+    return Layout((0,), (block,))  # a block's worth of margin past the end
 
 
 def _add_cases(device: str) -> list[Case]:
     gen = torch.Generator().manual_seed(5_1)
     cases = []
-    for n in ADD_LENGTHS:
+    for n, block in ADD_CASES:
         x, y = (torch.randn(n, generator=gen).to(device) for _ in range(2))
-        cases.append(Case((x, y), label=f"n={n}, BLOCK_SIZE={ADD_BLOCK}"))
-    half = [c.to(torch.float16) for c in cases[0].args]
-    cases.append(Case(tuple(half), label=f"float16, n={ADD_LENGTHS[0]}"))
+        cases.append(LayoutCase((x, y), {"block_size": block, "layouts": (_add_layout(n, block),) * 3},
+                          label=f"n={n}, BLOCK_SIZE={block}"))
+    x, y = (c.to(torch.float16) for c in cases[0].args)
+    cases.append(LayoutCase((x, y), dict(cases[0].kwargs), label=f"float16, n={ADD_CASES[0][0]}, "
+                                                         f"BLOCK_SIZE={ADD_CASES[0][1]}"))
     return cases
 
 
-def add_runner(kernel, block_size: int = ADD_BLOCK) -> GuardedRun:
-    """Run an add kernel on guarded 1-D tensors (a block's worth of margin past each end)."""
-    margin = (block_size,)
-    return GuardedRun(
-        launch=lambda x, y, out: primer.launch_add(kernel, x, y, out, block_size),
-        margins=(margin, margin),
-        outputs=(Output("out", margin),),
-        store_hint="the last block sticks out past n_elements: mask the tl.store with "
-                   "offsets < n_elements (and the loads too)")
+def _add_block_of(index, block_size=ADD_BLOCK, **_) -> str:
+    (i,), bs = index, block_size
+    return (f"element {i} belongs to the block of program pid = {i} // BLOCK_SIZE = {i // bs} "
+            f"(elements {i // bs * bs}–{i // bs * bs + bs - 1}, BLOCK_SIZE={bs})")
 
 
-def _x_plus_x(x, y):
-    return (2 * x.double()).to(x.dtype)
+def _add_guard_hint(e: dict | None, params: dict) -> str | None:
+    """A line on the guard's diagnosis from what it saw: lanes just past the end of a vector."""
+    if not e or len(e["index"]) != 1 or e["index"][0] < e["shape"][0]:
+        return None
+    n, block = e["shape"][0], params.get("block_size", ADD_BLOCK)
+    if e["bad"] == 1 and e["index"][0] == n and e["lanes"] == n % block + 1:
+        return (f"hint: exactly one lane, at index n_elements = {n}, is past the end: the mask "
+                f"lets offsets == n_elements through (<= where < is meant?)")
+    if e["lanes"] == block and e["index"][0] == n:
+        return (f"hint: all {block} lanes of the last block are active, {e['bad']} of them past "
+                f"the end: {'the tl.store' if e['op'] == 'write' else 'this tl.load'} needs "
+                f"mask=offsets < n_elements")
+    return None
+
+
+def add_runner(kernel) -> LayoutRun:
+    """Run an add kernel on guarded 1-D tensors: ``run(x, y, block_size=..., layouts=...)``."""
+    return LayoutRun(
+        launch=lambda x, y, out, block_size=ADD_BLOCK: primer.launch_add(kernel, x, y, out,
+                                                                         block_size),
+        names=("x", "y"),
+        outputs=(Out("out", lambda x, y, **_: (tuple(x.shape), x.dtype), _add_block_of),),
+        guard_hint=_add_guard_hint)
+
+
+def _add_reference(x, y, **_):
+    return primer.vector_add_reference(x, y)
+
+
+def _rounded(fn):
+    """A mistake model computed in float64 and rounded to x's dtype, taking the case's kwargs."""
+    return lambda x, y, **_: fn(x.double(), y.double()).to(x.dtype)
 
 
 ADD_MISTAKES = {
-    "x is loaded twice (the second load should read y_ptr)": _x_plus_x,
+    "x is loaded twice: the second tl.load should read y_ptr": _rounded(lambda x, y: x + x),
+    "y is loaded twice: the first tl.load should read x_ptr": _rounded(lambda x, y: y + y),
+    "the kernel stores x alone: out = x + y": _rounded(lambda x, y: x),
+    "the kernel stores y alone: out = x + y": _rounded(lambda x, y: y),
+    "the kernel subtracts: out = x + y, not x - y": _rounded(lambda x, y: x - y),
+    "the kernel multiplies: out = x + y, not x * y": _rounded(lambda x, y: x * y),
 }
 
 
 @learner_check
 def check_add_kernel(kernel):
     """Check exercise 5.1; return the learner's kernel or, if not done, the library's."""
-    return check_kernel("Exercise 5.1", kernel, add_runner(kernel), primer.vector_add_reference,
-                        _add_cases(runtime.current().device), fallback=primer.add_kernel,
-                        mistakes=ADD_MISTAKES)
+    return check_layout_kernel("Exercise 5.1", kernel, add_runner(kernel), _add_reference,
+                               _add_cases(runtime.current().device), fallback=primer.add_kernel,
+                               mistakes=ADD_MISTAKES, names=("x", "y", "out"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 5.2: softmax_kernel(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK_SIZE)
 
-# (rows, cols): widths that are not powers of two (781 -> BLOCK_SIZE 1024), a single row, a
-# width of exactly a power of two, and a width below the smallest interesting block.
-SOFTMAX_SHAPES = ((37, 781), (1, 100), (16, 128), (9, 5))
+# (rows, cols, gap between x's rows, gap between out's rows): widths that are not powers of two
+# (781 -> BLOCK_SIZE 1024), a single row, a width of exactly a power of two, one below the
+# smallest interesting block; x's and out's row strides differ in every case but one (and which
+# is larger changes), so a kernel that mixes them up or assumes dense rows shows.
+SOFTMAX_SHAPES = ((37, 781, 7, 3), (1, 100, 0, 5), (16, 128, 3, 0), (9, 5, 2, 9))
 # Scores this large overflow exp() in fp32 (exp(89) > 3.4e38) unless the max is subtracted.
 LARGE_LOGIT = 200.0
-# Gaps between rows (input and output strides differ, so a kernel that mixes them up shows).
-IN_ROW_GAP, OUT_ROW_GAP = 7, 3
+# Rows shifted from -ROW_SHIFT to +ROW_SHIFT: exp() of a row far below 0 underflows to 0 (0/0
+# without the max), of a row far above overflows.
+ROW_SHIFT = 450.0
+
+
+def _softmax_layouts(in_gap: int, out_gap: int) -> tuple:
+    return (Layout((0, 1), (1, in_gap)), Layout((0, 1), (1, out_gap)))
 
 
 def _softmax_cases(device: str) -> list[Case]:
     gen = torch.Generator().manual_seed(5_2)
-    cases = [Case((torch.randn(r, c, generator=gen).to(device),), label=f"{r}×{c}")
-             for r, c in SOFTMAX_SHAPES]
-    big = LARGE_LOGIT * torch.randn(*SOFTMAX_SHAPES[0], generator=gen).to(device)
-    cases.append(Case((big,), label=f"{SOFTMAX_SHAPES[0][0]}×{SOFTMAX_SHAPES[0][1]}, "
-                                    f"scores ~ {LARGE_LOGIT:g}"))
-    cases.append(Case((cases[0].args[0].to(torch.float16),), label="float16"))
+    cases = []
+    for r, c, gi, go in SOFTMAX_SHAPES:
+        cases.append(LayoutCase((torch.randn(r, c, generator=gen).to(device),),
+                          {"layouts": _softmax_layouts(gi, go)},
+                          label=f"{r}×{c}, row gaps x {gi}, out {go}"))
+    r, c, gi, go = SOFTMAX_SHAPES[0]
+    big = LARGE_LOGIT * torch.randn(r, c, generator=gen)
+    cases.append(LayoutCase((big.to(device),), {"layouts": _softmax_layouts(gi, go)},
+                      label=f"{r}×{c}, scores ~ ±{LARGE_LOGIT:g}"))
+    shifted = torch.randn(12, 50, generator=gen) + torch.linspace(-ROW_SHIFT, ROW_SHIFT, 12)[:, None]
+    cases.append(LayoutCase((shifted.to(device),), {"layouts": _softmax_layouts(5, 1)},
+                      label=f"12×50, rows shifted from {-ROW_SHIFT:g} to +{ROW_SHIFT:g}"))
+    cases.append(LayoutCase((cases[0].args[0].to(torch.float16),), {"layouts": _softmax_layouts(1, 6)},
+                      label=f"float16, {r}×{c}, row gaps x 1, out 6"))
     return cases
 
 
-def softmax_runner(kernel) -> GuardedRun:
-    """Run a row-softmax kernel on guarded 2-D tensors with gaps between rows."""
-    return GuardedRun(
+def _softmax_row_of(index, **_) -> str:
+    return f"row {index[0]} is written by program {index[0]} (one program per row)"
+
+
+def _softmax_guard_hint(e: dict | None, params: dict) -> str | None:
+    """A line on the guard's diagnosis: lanes past the end of a row."""
+    if not e or len(e["index"]) != 2 or e["index"][1] < e["shape"][1]:
+        return None
+    n_cols = e["shape"][1]
+    block = primer.softmax_block_size(n_cols)
+    what = "the tl.store" if e["op"] == "write" else "the tl.load"
+    if e["lanes"] == block:
+        return (f"hint: all {block} lanes of BLOCK_SIZE = next_power_of_2(n_cols) are active, "
+                f"{block - n_cols} of them past n_cols = {n_cols}: {what} needs mask=cols < n_cols"
+                + (", other=-float('inf')" if e["op"] == "read" else ""))
+    if e["lanes"] == n_cols:
+        return (f"hint: {what} is masked (n_cols = {n_cols} lanes active) but lands outside the "
+                f"row: the row offset is off — x's rows are in_row_stride apart, out's rows "
+                f"out_row_stride apart")
+    return None
+
+
+def softmax_runner(kernel) -> LayoutRun:
+    """Run a row-softmax kernel on guarded 2-D tensors: ``run(x, layouts=(x's, out's))``."""
+    return LayoutRun(
         launch=lambda x, out: primer.launch_row_softmax(kernel, x, out),
-        margins=((1, IN_ROW_GAP),),
-        outputs=(Output("out", (1, OUT_ROW_GAP)),),
-        store_hint="BLOCK_SIZE is n_cols rounded up to a power of two: mask the tl.store with "
-                   "cols < n_cols, and address rows with out_row_stride",
-        coverage_hint="each program writes one row: row = tl.program_id(0), at "
-                      "out_ptr + row * out_row_stride + cols",
-        load_hint="a tl.load reads outside the row — mask it with cols < n_cols and "
-                  "other=-float('inf'), and address rows with in_row_stride (rows are not "
-                  "contiguous with each other)")
+        names=("x",),
+        outputs=(Out("out", lambda x, **_: (tuple(x.shape), x.dtype), _softmax_row_of),),
+        guard_hint=_softmax_guard_hint)
 
 
-def _softmax_zero_padded(x):
-    # masked lanes read as 0 instead of -inf: each adds exp(0 - max) to the denominator
+def _softmax_reference(x, **_):
+    return primer.row_softmax_reference(x)
+
+
+def _softmax_zero_padded(x, **_):
+    # masked lanes read as 0 instead of -inf: each adds exp(0 - max) to the denominator (and 0
+    # takes part in the max)
     block = primer.softmax_block_size(x.shape[-1])
-    padded = torch.nn.functional.pad(x.double(), (0, block - x.shape[-1]))
-    return torch.softmax(padded, dim=-1)[..., : x.shape[-1]].to(x.dtype)
+    padded = torch.nn.functional.pad(x.float(), (0, block - x.shape[-1]))
+    return torch.softmax(padded.double(), dim=-1)[..., : x.shape[-1]].to(x.dtype)
 
 
-def _softmax_unnormalised(x):
-    x64 = x.double()
-    return torch.exp(x64 - x64.max(dim=-1, keepdim=True).values).to(x.dtype)
+def _softmax_unnormalised(x, **_):
+    x32 = x.float()
+    return torch.exp(x32 - x32.max(dim=-1, keepdim=True).values).to(x.dtype)
+
+
+def _softmax_without_max(x, **_):
+    # in fp32 as the kernel computes it: exp overflows to inf (inf/inf = NaN) or underflows to 0
+    # (0/0 = NaN) where a row is far from 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = torch.exp(x.float())
+        return (e / e.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+
+def _softmax_max_only_in_numerator(x, **_):
+    x32 = x.float()
+    e = torch.exp(x32 - x32.max(dim=-1, keepdim=True).values)
+    return (e / torch.exp(x32).sum(dim=-1, keepdim=True)).to(x.dtype)
 
 
 SOFTMAX_MISTAKES = {
     "the masked lanes were loaded as 0 (the default), so each adds exp(0 - max) to the sum — "
     "load with other=-float('inf')": _softmax_zero_padded,
     "the row is not divided by its sum: y = exp(x - max) / sum(exp(x - max))": _softmax_unnormalised,
+    "the max is not subtracted before exp: exp() of scores ~100 overflows to inf, of scores "
+    "~-100 underflows to 0 — use exp(x - max)": _softmax_without_max,
+    "the max is subtracted in the numerator only: the sum must be of the same exp(x - max)":
+        _softmax_max_only_in_numerator,
 }
 
 
 @learner_check
 def check_softmax_kernel(kernel):
     """Check exercise 5.2; return the learner's kernel or, if not done, the library's."""
-    return check_kernel("Exercise 5.2", kernel, softmax_runner(kernel), primer.row_softmax_reference,
-                        _softmax_cases(runtime.current().device), fallback=primer.softmax_kernel,
-                        mistakes=SOFTMAX_MISTAKES)
+    return check_layout_kernel("Exercise 5.2", kernel, softmax_runner(kernel), _softmax_reference,
+                               _softmax_cases(runtime.current().device),
+                               fallback=primer.softmax_kernel, mistakes=SOFTMAX_MISTAKES,
+                               names=("x", "out"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,13 +531,24 @@ def check_softmax_kernel(kernel):
 # Tiles of the check: the smallest tl.dot allows, so that a 77×61 output spans several tiles in
 # each direction; BLOCK_M != BLOCK_N, so that a kernel mixing them up shows.
 MATMUL_CHECK_BLOCKS = dict(block_m=32, block_n=16, block_k=16)
-# (M, K, N): ragged on all three edges, exact multiples of the tiles (no edge at all; M < N so
-# that a column mask compared with M shows), smaller than one tile in every direction.
-MATMUL_SHAPES = ((77, 45, 61), (32, 64, 48), (5, 7, 3))
+# The other way round, and a K tile wider than the others.
+MATMUL_OTHER_BLOCKS = dict(block_m=16, block_n=32, block_k=32)
+ROW_MAJOR_GAP, COL_MAJOR = (lambda gap: Layout((0, 1), (2, gap))), (lambda gap: Layout((1, 0), (2, gap)))
+# (M, K, N, blocks, layouts of A, B, C): ragged on all three edges, exact multiples of the tiles
+# (no edge at all; M < N so that a column mask compared with M shows), smaller than one tile in
+# every direction, K ragged against a wider K tile; A and B column-major in turn (a column
+# stride != 1), rows with gaps of different widths.
+MATMUL_SHAPES = (
+    (77, 45, 61, MATMUL_CHECK_BLOCKS, (ROW_MAJOR_GAP(3), COL_MAJOR(5), ROW_MAJOR_GAP(2))),
+    (32, 64, 48, MATMUL_CHECK_BLOCKS, (COL_MAJOR(1), ROW_MAJOR_GAP(7), COL_MAJOR(4))),
+    (5, 7, 3, MATMUL_CHECK_BLOCKS, (ROW_MAJOR_GAP(1), ROW_MAJOR_GAP(0), ROW_MAJOR_GAP(3))),
+    (40, 50, 24, MATMUL_OTHER_BLOCKS, (ROW_MAJOR_GAP(0), COL_MAJOR(3), ROW_MAJOR_GAP(5))),
+)
 # Inputs are small integers in [-MATMUL_INT_RANGE, MATMUL_INT_RANGE]: every product and partial
 # sum is then exact in fp32, fp16, bf16 and TF32 (the GPU's default for fp32 tl.dot), so a
 # correct kernel matches the float64 reference on any machine, in any summation order, and the
-# mistake models below reproduce a wrong kernel's output exactly.
+# mistake models below reproduce a wrong kernel's output exactly. One more case (interpreter
+# only, where fp32 products are exact) has non-integer inputs.
 MATMUL_INT_RANGE = 3
 # The overflow case: partial sums of about 16 · 150² per K tile pass fp16's largest value, 65504,
 # although the result (the two halves of K cancel) fits easily. Only an fp32 accumulator gets it.
@@ -164,93 +569,47 @@ def _overflow_case(gen) -> tuple:
     return torch.cat([x, x], dim=1), torch.cat([y, -y + e], dim=0)
 
 
+def _blocks_label(blocks: dict) -> str:
+    return f"BLOCK_M={blocks['block_m']}, BLOCK_N={blocks['block_n']}, BLOCK_K={blocks['block_k']}"
+
+
+def _layouts_label(layouts) -> str:
+    return ", ".join(f"{name} {'column' if lay.order == (1, 0) else 'row'}-major"
+                     for name, lay in zip("ABC", layouts))
+
+
 def _matmul_cases(device: str, on_gpu: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(5_3)
     cases = []
-    for m, k, n in MATMUL_SHAPES:
+    for m, k, n, blocks, layouts in MATMUL_SHAPES:
         a, b = _ints((m, k), gen).to(device), _ints((k, n), gen).to(device)
-        cases.append(Case((a, b), label=f"{m}×{k} @ {k}×{n}"))
-    first = cases[0].args
-    cases.append(Case(tuple(x.half() for x in first), label="float16"))
+        cases.append(LayoutCase((a, b), {**blocks, "layouts": layouts},
+                          label=f"{m}×{k} @ {k}×{n}, {_blocks_label(blocks)}, "
+                                f"{_layouts_label(layouts)}"))
+    first = cases[0]
+    if not on_gpu:  # fp32 products are exact in the interpreter, not in TF32
+        a, b = torch.randn(33, 29, generator=gen), torch.randn(29, 20, generator=gen)
+        layouts = (COL_MAJOR(2), ROW_MAJOR_GAP(1), ROW_MAJOR_GAP(0))
+        cases.append(LayoutCase((a.to(device), b.to(device)), {**MATMUL_CHECK_BLOCKS, "layouts": layouts},
+                          label=f"non-integer, 33×29 @ 29×20, {_layouts_label(layouts)}"))
+    cases.append(LayoutCase(tuple(x.half() for x in first.args), dict(first.kwargs),
+                      label="float16, " + first.label))
     a, b = _overflow_case(gen)
     m, half, n = OVERFLOW_SHAPE
-    cases.append(Case((a.half().to(device), b.half().to(device)),
+    cases.append(LayoutCase((a.half().to(device), b.half().to(device)),
+                      {**MATMUL_CHECK_BLOCKS, "layouts": (ROW_MAJOR_GAP(1),) * 3},
                       label=f"float16, {m}×{2 * half} @ {2 * half}×{n}, partial sums past "
                             f"fp16's max {FP16_MAX:g} (the result is small)"))
     if on_gpu:  # the interpreter computes bf16 wrongly (FACTS.md)
-        cases.append(Case(tuple(x.bfloat16() for x in first), label="bfloat16"))
+        cases.append(LayoutCase(tuple(x.bfloat16() for x in first.args), dict(first.kwargs),
+                          label="bfloat16, " + first.label))
     return cases
 
 
-def _matmul_margins(a_shape, b_shape, blocks) -> tuple[tuple, tuple, tuple]:
-    """Margins (rows, columns) of A, B and C, wide enough that even a kernel with its strides
-    swapped or its masks missing stays inside the guarded buffers."""
-    (m, k), n = a_shape, b_shape[1]
-    bm, bn, bk = blocks["block_m"], blocks["block_n"], blocks["block_k"]
-    return ((bm + k + bk, bk), (bk + n + bn, bn), (bm + n + bn, bn))
-
-
-def _swapped_read(x, margin):
-    """What a kernel with x's two strides swapped reads from x's zero-margined buffer."""
-    rows, cols = x.shape
-    row_stride = cols + margin[1]
-    flat = embed(x, margin, INPUT_MARGIN_REFILL)[1].reshape(-1)
-    i = torch.arange(rows, device=x.device)[:, None]
-    j = torch.arange(cols, device=x.device)[None, :]
-    return flat[i + j * row_stride]  # element (i, j) read at i * stride 1 + j * row_stride
-
-
-def _explain_matmul_outside(a, b, outputs, blocks):
-    """The likely cause of a matmul whose output read the inputs' margins, from a rerun with
-    zero margins: right then -> the K edge is unmasked; else a stride mix-up it reproduces."""
-    (got,) = outputs
-    atol, rtol = checks.TOLERANCES.get(str(got.dtype).replace("torch.", ""),
-                                       checks.TOLERANCES["float32"])
-    if checks.compare(got, primer.matmul_reference(a, b), atol, rtol) is None:
-        return ("the last K tile sticks out past K: mask both loads along K "
-                "(offs_k < K - k * BLOCK_K) with other=0.0, so the extra lanes add 0 to the dot")
-    margin_a, margin_b, _ = _matmul_margins(a.shape, b.shape, blocks)
-    swapped_a, swapped_b = _swapped_read(a, margin_a), _swapped_read(b, margin_b)
-    for which, (x, y) in (("A's", (swapped_a, b)), ("B's", (a, swapped_b)),
-                          ("both A's and B's", (swapped_a, swapped_b))):
-        if checks.compare(got, primer.matmul_reference(x, y), atol, rtol) is None:
-            return (f"{which} row and column strides are swapped: a row offset goes with the "
-                    f"row stride (offs_m * stride_am, offs_k * stride_bk), a column offset with "
-                    f"the column stride (offs_k * stride_ak, offs_n * stride_bn)")
-    return None
-
-
-def matmul_runner(kernel, blocks: dict | None = None) -> Callable:
-    """Run a matmul kernel on guarded 2-D tensors (margins past every edge, gaps between rows)."""
-    blocks = dict(MATMUL_CHECK_BLOCKS if blocks is None else blocks)
-
-    def run(a, b):
-        margin_a, margin_b, margin_c = _matmul_margins(a.shape, b.shape, blocks)
-        guarded = GuardedRun(
-            launch=lambda a, b, c: primer.launch_matmul(kernel, a, b, c, **blocks),
-            margins=(margin_a, margin_b),
-            outputs=(Output("c", margin_c,
-                            lambda a, b: ((a.shape[0], b.shape[1]), a.dtype)),),
-            store_hint="the edge tiles stick out past M and N: mask the tl.store with "
-                       "(offs_m[:, None] < M) & (offs_n[None, :] < N)",
-            coverage_hint="program (pid_m, pid_n) = (tl.program_id(0), tl.program_id(1)) — "
-                          "the grid's axis 0 runs along M, axis 1 along N — writes rows pid_m * BLOCK_M + tl.arange(0, BLOCK_M) and columns "
-                          "pid_n * BLOCK_N + tl.arange(0, BLOCK_N) of c, masked with offs_m < M "
-                          "and offs_n < N",
-            load_hint="a tl.load reads outside A or B — a missing mask, or a wrong offset or "
-                      "stride",
-            nonfinite_hint="the accumulator overflowed: keep acc in fp32 (tl.zeros(..., "
-                           f"dtype=tl.float32)) and convert to c's dtype only at the tl.store — "
-                           f"fp16 stops at {FP16_MAX:g}",
-            explain_outside=lambda inputs, outs: _explain_matmul_outside(*inputs, outs, blocks))
-        return guarded(a, b)
-
-    return run
-
-
-def matmul_tile(index, blocks: dict | None = None) -> str:
+def matmul_tile(index, blocks: dict | None = None, **kwargs) -> str:
     """Which program's output tile holds element ``index = (row, col)`` of C."""
-    blocks = MATMUL_CHECK_BLOCKS if blocks is None else blocks
+    blocks = dict(blocks or MATMUL_CHECK_BLOCKS, **{k: v for k, v in kwargs.items()
+                                                   if k in MATMUL_CHECK_BLOCKS})
     bm, bn = blocks["block_m"], blocks["block_n"]
     row, col = index
     pid_m, pid_n = row // bm, col // bn
@@ -259,30 +618,80 @@ def matmul_tile(index, blocks: dict | None = None) -> str:
             f"{pid_n * bn}–{(pid_n + 1) * bn - 1} (BLOCK_M={bm}, BLOCK_N={bn})")
 
 
-def _k_tiles(k: int):
-    bk = MATMUL_CHECK_BLOCKS["block_k"]
-    return [(start, min(start + bk, k)) for start in range(0, k, bk)]
+def _matmul_guard_hint(e: dict | None, params: dict) -> str | None:
+    """A line on the guard's diagnosis: which edge of which operand the lanes stick out of."""
+    if not e or len(e["index"]) != 2:
+        return None
+    (i, j), (rows, cols) = e["index"], e["shape"]
+    edges = {  # tensor -> (name of its row edge, of its column edge, the mask for each)
+        "a": (("M", "offs_m[:, None] < M"), ("K", "offs_k[None, :] < K - k * BLOCK_K")),
+        "b": (("K", "offs_k[:, None] < K - k * BLOCK_K"), ("N", "offs_n[None, :] < N")),
+        "c": (("M", "offs_m[:, None] < M"), ("N", "offs_n[None, :] < N")),
+    }.get(e["tensor"])
+    if edges is None:
+        return None
+    past = [edge for edge, over in zip(edges, (i >= rows, j >= cols)) if over]
+    if not past:
+        return None
+    what = "the tl.store" if e["op"] == "write" else f"the tl.load of {e['tensor'].upper()}"
+    masks = " & ".join(f"({mask})" for _, mask in past)
+    return (f"hint: if the offsets are right, the tile sticks out past "
+            f"{' and '.join(name for name, _ in past)}: {what} needs mask={masks}"
+            + (", other=0.0" if e["op"] == "read" else ""))
 
 
-def _matmul_k_not_advanced(a, b):
+def matmul_runner(kernel) -> LayoutRun:
+    """Run a matmul kernel on guarded 2-D tensors: ``run(a, b, block_m=..., block_n=...,
+    block_k=..., layouts=(A's, B's, C's))``."""
+    return LayoutRun(
+        launch=lambda a, b, c, **blocks: primer.launch_matmul(kernel, a, b, c, **blocks),
+        names=("a", "b"),
+        outputs=(Out("c", lambda a, b, **_: ((a.shape[0], b.shape[1]), a.dtype), matmul_tile),),
+        guard_hint=_matmul_guard_hint)
+
+
+def _matmul_reference(a, b, **_):
+    return primer.matmul_reference(a, b)
+
+
+def _k_tiles(k: int, block_k: int):
+    return [(start, min(start + block_k, k)) for start in range(0, k, block_k)]
+
+
+def _matmul_k_not_advanced(a, b, block_k=16, **_):
     # every step reloads the first K tile, under the mask of the step's own tile
     a64, b64 = a.double(), b.double()
-    out = sum(a64[:, : stop - start] @ b64[: stop - start] for start, stop in _k_tiles(a.shape[1]))
+    out = sum(a64[:, : stop - start] @ b64[: stop - start] for start, stop in _k_tiles(a.shape[1], block_k))
     return out.to(a.dtype)
 
 
-def _matmul_last_tile_only(a, b):
-    start, stop = _k_tiles(a.shape[1])[-1]
+def _matmul_last_tile_only(a, b, block_k=16, **_):
+    start, stop = _k_tiles(a.shape[1], block_k)[-1]
     return (a.double()[:, start:stop] @ b.double()[start:stop]).to(a.dtype)
 
 
-def _matmul_masks_m_n_mixed(a, b):
-    # A's rows masked with offs_m < N, B's columns with offs_n < M: those rows/columns read 0
-    (m, _), n = a.shape, b.shape[1]
-    a64, b64 = a.double().clone(), b.double().clone()
-    a64[n:] = 0
-    b64[:, m:] = 0
-    return (a64 @ b64).to(a.dtype)
+def _matmul_a_rows_masked_with_n(a, b, **_):
+    # A's rows masked with offs_m < N: rows >= N read as 0 (when M > N)
+    a64 = a.double().clone()
+    a64[b.shape[1]:] = 0
+    return (a64 @ b.double()).to(a.dtype)
+
+
+def _matmul_b_cols_masked_with_m(a, b, **_):
+    # B's columns masked with offs_n < M: columns >= M read as 0 (when N > M)
+    b64 = b.double().clone()
+    b64[:, a.shape[0]:] = 0
+    return (a.double() @ b64).to(a.dtype)
+
+
+def _matmul_acc_in_input_dtype(a, b, block_k=16, **_):
+    # acc in a's dtype: each K tile's fp32 dot is rounded to it and added in it
+    acc = torch.zeros((a.shape[0], b.shape[1]), dtype=a.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for start, stop in _k_tiles(a.shape[1], block_k):
+            acc = acc + (a[:, start:stop].double() @ b[start:stop].double()).to(a.dtype)
+    return acc
 
 
 MATMUL_MISTAKES = {
@@ -290,8 +699,13 @@ MATMUL_MISTAKES = {
     "and b_ptrs += BLOCK_K * stride_bk": _matmul_k_not_advanced,
     "acc = tl.dot(a, b) replaces the sum at every step: accumulate, acc = tl.dot(a, b, acc) "
     "(or acc += tl.dot(a, b))": _matmul_last_tile_only,
-    "a load mask compares rows with N or columns with M: rows go with M (offs_m < M), columns "
-    "with N (offs_n < N)": _matmul_masks_m_n_mixed,
+    "A's load masks its rows with N: rows go with M (offs_m[:, None] < M)":
+        _matmul_a_rows_masked_with_n,
+    "B's load masks its columns with M: columns go with N (offs_n[None, :] < N)":
+        _matmul_b_cols_masked_with_m,
+    "the accumulator is in the inputs' dtype: keep acc in fp32 (tl.zeros(..., dtype=tl.float32)) "
+    f"and convert to c's dtype only at the tl.store — fp16 stops at {FP16_MAX:g}":
+        _matmul_acc_in_input_dtype,
 }
 
 
@@ -299,9 +713,9 @@ MATMUL_MISTAKES = {
 def check_matmul_kernel(kernel):
     """Check exercise 5.3; return the learner's kernel or, if not done, the library's."""
     rt = runtime.current()
-    return check_kernel("Exercise 5.3", kernel, matmul_runner(kernel), primer.matmul_reference,
-                        _matmul_cases(rt.device, rt.on_gpu), fallback=primer.matmul_kernel,
-                        mistakes=MATMUL_MISTAKES, locate=matmul_tile)
+    return check_layout_kernel("Exercise 5.3", kernel, matmul_runner(kernel), _matmul_reference,
+                               _matmul_cases(rt.device, rt.on_gpu), fallback=primer.matmul_kernel,
+                               mistakes=MATMUL_MISTAKES, names=("a", "b", "c"), locate=matmul_tile)
 
 
 MATMUL_HINTS = (
