@@ -276,15 +276,21 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
         workdir = Path(tmp) / "work"
         workdir.mkdir()
         kernel_err = Path(tmp) / "kernel_stderr.txt"
+        running = [0]  # the index of the cell sent to the kernel last
+
+        def on_cell_execute(cell, cell_index, **_):
+            running[0] = cell_index
+
         client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
-                                record_timing=False, resources={"metadata": {"path": str(workdir)}})
+                                record_timing=False, resources={"metadata": {"path": str(workdir)}},
+                                on_cell_execute=on_cell_execute)
         try:
             with open(kernel_err, "w", encoding="utf-8") as err:
                 client.execute(env=_kernel_env(log), stderr=err)
         except CellTimeoutError:
-            stopped = f"cell {_current_cell(nb)} ran past the {timeout} s limit per cell"
+            stopped = f"cell {running[0]} ran past the {timeout} s limit per cell"
         except DeadKernelError:
-            stopped = f"the Python process running the notebook died at cell {_current_cell(nb)}"
+            stopped = f"the Python process running the notebook died at cell {running[0]}"
             last = _last_words(kernel_err)
             stopped += f" (its last words: {last})" if last else ""
         except Exception as exc:  # the kernel could not start, ...
@@ -299,7 +305,7 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
         if ex in reports:
             return reports[ex]["status"], reports[ex]["message"]
         return "not run", "its check never reported: " + _why_not_run(
-            nb, chapter.check_calls.get(ex), errors, stopped)
+            nb, chapter.check_calls.get(ex), errors, stopped, running[0] if stopped else None)
 
     if executed_dir is not None:
         out = Path(executed_dir) / sub.learner / name
@@ -309,7 +315,8 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
                   seconds=time.perf_counter() - start)
 
 
-def _why_not_run(nb, call: str | None, errors: dict[int, str], stopped: str | None) -> str:
+def _why_not_run(nb, call: str | None, errors: dict[int, str], stopped: str | None,
+                 stopped_at: int | None = None) -> str:
     """Why a check never reported, from the executed notebook: its check cell raised, the run
     stopped before it, or the notebook has no cell calling it."""
     cells = [i for i, c in enumerate(nb.cells)
@@ -317,6 +324,8 @@ def _why_not_run(nb, call: str | None, errors: dict[int, str], stopped: str | No
     if not cells:
         what = f"no cell calls `{call}(...)`" if call else "its check cell is missing"
         return what + (f"; {stopped}" if stopped else "")
+    if stopped and stopped_at in cells:
+        return f"{stopped}, its check cell"
     ran = [i for i in cells if nb.cells[i].get("execution_count") is not None]
     if not ran:
         return f"{stopped} (before its check cell, cell {cells[0]})" if stopped else \
@@ -336,23 +345,16 @@ def _why_not_run(nb, call: str | None, errors: dict[int, str], stopped: str | No
 
 
 def _last_words(path: Path) -> str:
-    """The last line a dead kernel wrote to stderr, ignoring ipykernel's start-up warnings."""
+    """What a dead kernel wrote on stderr outside the notebook's cells (ipykernel sends a cell's
+    stderr to its output): a "Fatal Python error" line if any, else the last line, ignoring
+    ipykernel's start-up warnings."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return ""
     lines = [l.strip() for l in lines if l.strip() and "[IPKernelApp]" not in l]
-    return lines[-1][:200] if lines else ""
-
-
-def _current_cell(nb) -> int:
-    """The index of the cell that was running when the run stopped: cells run in order and a cell
-    gets its execution count when it starts, so it is the last cell with one."""
-    last = 0
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and cell.get("execution_count") is not None:
-            last = i
-    return last
+    fatal = [l for l in lines if l.startswith("Fatal Python error")]
+    return (fatal or lines[-1:] or [""])[0][:200]
 
 
 def write_results(results: list[Result], out: Path, warnings: list[str]) -> dict:

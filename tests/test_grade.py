@@ -258,3 +258,18 @@ def test_exercise_lists_come_from_the_solutions():
         assert all(ex.split(".")[0] == str(int(chapter)) for ex in ch.exercises), ch.notebook
         # every exercise has a check call, from the chapter's own module
         assert all(ch.check_calls[ex].startswith(f"ch{chapter}.check_") for ex in ch.exercises), ch.notebook
+
+
+@pytest.mark.ch00
+def test_a_check_cell_that_kills_the_process(tmp_path):
+    """A crash inside a check (an out-of-bounds kernel could once do this) is named as such."""
+    sol = _toy(tmp_path)
+    (tmp_path / "sub").mkdir()
+    nbformat.write(new_notebook(cells=[_report("1.1", "passed"), new_code_cell(
+        "# instead of ch01.check_two(two)\nimport os\nos._exit(3)")]), str(tmp_path / "sub" / "hal__01_toy.ipynb"))
+    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--solutions", str(sol))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [(r["exercise"], r["status"], r["message"]) for r in _rows(tmp_path / "out")] == [
+        ("1.1", "passed", "toy passed"),
+        ("1.2", "not run", "its check never reported: the Python process running the notebook died "
+                           "at cell 1, its check cell")]
