@@ -126,42 +126,42 @@ def open_notebook(page, base: str, relpath: str, workspace: str):
         timeout=LAB_LOAD_TIMEOUT_MS)
     wait_for_kernel_idle(page, panel, base, relpath, KERNEL_IDLE_TIMEOUT_S)
     fail_on_dialog(page)
-    dismiss_news_prompt(page)
+    assert_no_news_prompt(page)
     return panel
 
 
 def news_prompt(page):
-    """JupyterLab's "get notified about official Jupyter news?" toast (it covers plots)."""
+    """JupyterLab's "Would you like to get notified about official Jupyter news?" toast."""
     return page.locator(".Toastify__toast").filter(has_text="Jupyter news")
 
 
-def hide_news_prompt_whenever_it_shows(page) -> None:
-    """Close the news toast before any click or key press it would get in the way of.
+def watch_for_news_prompt(page) -> list[str]:
+    """Record every time the news toast shows (the course's lab must never show it: `make lab`
+    sets ``fetchNews`` to "false", see course_lib/lab.py), closing it so that the test goes on
+    and fails at the end with the evidence. Returns the list the sightings are appended to.
 
     It is closed (×), not answered: "No" would be stored in the user's JupyterLab settings.
     """
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
+    seen: list[str] = []
+
     def close(toast):
+        seen.append(" ".join(toast.inner_text().split())[:120])
         try:
             toast.get_by_title("Hide notification").click(timeout=3_000)
         except PlaywrightTimeoutError:
             pass  # it went away by itself while we reached for it
 
     page.add_locator_handler(news_prompt(page), close)
+    return seen
 
 
-def dismiss_news_prompt(page) -> None:
-    """Close the news toast now if it is showing (before a screenshot)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
-
-    toast = news_prompt(page)
-    if toast.count():
-        try:
-            toast.get_by_title("Hide notification").click(timeout=3_000)
-        except PlaywrightTimeoutError:
-            pass  # the locator handler (or JupyterLab) was already closing it
-        toast.wait_for(state="detached", timeout=10_000)
+def assert_no_news_prompt(page) -> None:
+    """The news toast is not showing now (checked before every screenshot)."""
+    assert not news_prompt(page).count(), (
+        "JupyterLab shows its news pop-up; the course's lab should have fetchNews = \"false\" "
+        "(course_lib/lab.py install_settings)")
 
 
 def fail_on_dialog(page) -> None:
@@ -228,6 +228,68 @@ def run_all_cells(page, panel, timeout_s: float) -> float:
             raise AssertionError(f"Run All Cells had not finished after {timeout_s} s; "
                                  f"prompts: {state['prompts']}")
         page.wait_for_timeout(250)
+
+
+def code_cell(panel, text: str):
+    """The first code cell whose source contains ``text``."""
+    return panel.locator(".jp-CodeCell").filter(
+        has=panel.page.locator(".jp-InputArea", has_text=text)).first
+
+
+def cell_source(cell) -> str:
+    """A code cell's source as its editor shows it (CodeMirror draws one ``.cm-line`` a line)."""
+    # an empty line's element holds a <br>, which reads as "\n"
+    return "\n".join(t.rstrip("\n") for t in cell.locator(".jp-InputArea .cm-line").all_inner_texts())
+
+
+def replace_cell_source(page, cell, source: str) -> None:
+    """Replace a code cell's source, as a learner does: click into it, select all, type.
+
+    The text is inserted in one go (as a paste does), so the editor's auto-indent and bracket
+    closing do not change it; the cell is *not* run.
+    """
+    cell.scroll_into_view_if_needed()
+    cell.locator(".jp-InputArea .cm-content").click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(source)
+    shown = cell_source(cell)
+    assert _lines(shown) == _lines(source), f"the cell shows {shown!r}, not what was typed"
+
+
+def _lines(text: str) -> list[str]:
+    """Lines without trailing spaces, trailing blank lines dropped (an empty ``.cm-line`` reads
+    as a newline)."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def cell_prompt(cell) -> str:
+    return cell.locator(".jp-InputArea-prompt").inner_text().strip()
+
+
+def run_one_cell(page, panel, cell, base: str, relpath: str, timeout_s: float) -> None:
+    """Run only ``cell`` (Ctrl+Enter in it: run, stay) and wait until it has a new execution
+    number and the kernel is idle again."""
+    before = cell_prompt(cell)
+    cell.scroll_into_view_if_needed()
+    cell.locator(".jp-InputArea .cm-content").click()
+    page.keyboard.press("Control+Enter")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fail_on_dialog(page)
+        prompt = cell_prompt(cell)
+        if PROMPT_DONE_RE.match(prompt) and prompt != before \
+                and notebook_state(panel)["status"] == "idle":
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the cell had not run after {timeout_s} s (prompt {prompt!r})")
+        page.wait_for_timeout(250)
+
+
+def cell_output_text(cell) -> str:
+    return "\n".join(cell.locator(".jp-OutputArea-output").all_inner_texts())
 
 
 def unexecuted_cells(panel) -> list[int]:

@@ -135,7 +135,7 @@ def notebook_page(lab, browser):
     page = context.new_page()
     page.set_default_timeout(30_000)
     bh.block_saves(page)
-    bh.hide_news_prompt_whenever_it_shows(page)
+    news = bh.watch_for_news_prompt(page)
     opened = []
 
     def open_(path: Path):
@@ -156,6 +156,8 @@ def notebook_page(lab, browser):
         if path.read_bytes() != before:  # a save slipped through block_saves: put the file back
             path.write_bytes(before)
             pytest.fail(f"the browser wrote to {relpath}; restored it")
+    assert not news, f"JupyterLab showed its news pop-up ({news[0]!r}): the course's lab sets " \
+                     "fetchNews = \"false\" (course_lib/lab.py) so that it never shows"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -219,7 +221,7 @@ def test_setup_chapter_runs_in_the_browser(notebook_page):
     panel = open_(path)
     seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
     print(f"\nch00: Run All Cells took {seconds:.1f} s")
-    bh.dismiss_news_prompt(page)
+    bh.assert_no_news_prompt(page)
     bh.screenshot_notebook(page, panel, SCREENSHOTS / "ch00_notebook.png")
     assert_ran_cleanly(panel, path.name)
     assert any("mode" in t.lower() for t in bh.output_texts(panel)), \
@@ -249,7 +251,7 @@ def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
     img.wait_for(state="visible", timeout=REDRAW_TIMEOUT_S * 1000)
     info = bh.image_info(img)
     assert info["complete"] and info["naturalWidth"] > 0, f"{spec.what}: the figure did not load"
-    bh.dismiss_news_prompt(page)
+    bh.assert_no_news_prompt(page)
     output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget.png"))
     bh.screenshot_notebook(page, panel, SCREENSHOTS / f"ch{spec.chapter}_notebook.png")
     output.scroll_into_view_if_needed()
@@ -289,7 +291,7 @@ def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
             slow = f"  <- slow (> {SLOW_REDRAW_S} s)" if took > SLOW_REDRAW_S else ""
             print(f"ch{spec.chapter}: {done}: figure redrawn after {took:.2f} s{slow}")
         page.wait_for_timeout(200)  # let the PNG paint
-        bh.dismiss_news_prompt(page)
+        bh.assert_no_news_prompt(page)
         slug = re.sub(r"[^a-z0-9]+", "_", f"{action.kind} {action.label}".lower()).strip("_")
         output.screenshot(path=str(SCREENSHOTS / f"ch{spec.chapter}_widget_after_{number}_{slug}.png"))
 
@@ -300,6 +302,70 @@ def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
                           f"(see {SCREENSHOTS.relative_to(ROOT)}/ch{spec.chapter}_widget.png):\n  "
                           + "\n  ".join(problems))
 
+
+
+@dataclass(frozen=True)
+class StaleCheck:
+    """An exercise whose stub is left as it is by Run All, then edited (not run) by the learner."""
+    chapter: str
+    exercise: str  # "Exercise 0.1"
+    check: str  # text that identifies the check cell
+    wrong_answer: str  # what the learner types into the exercise cell
+
+
+STALE_CHECKS = [
+    StaleCheck("00", "Exercise 0.1", "ch00.check_scaled_scores(",
+               "import numpy as np\n\n"
+               "# Exercise 0.1: scaled dot-product scores q kᵀ / sqrt(d)\n"
+               "def scaled_scores(q, k):\n"
+               "    return (q @ k.T) / q.shape[-1]   # wrong: divides by d, not sqrt(d)\n"),
+    StaleCheck("03", "Exercise 3.3", "ch03.check_online_softmax(",
+               "# Exercise 3.3: online softmax over whole rows, tile by tile\n"
+               "def online_softmax(x, block_size):\n"
+               "    return np.exp(x) / np.exp(x).sum(axis=-1)   # wrong: not tiled, no max, bad axis\n"),
+]
+
+
+@needs_chromium
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"ch{c.chapter}", marks=getattr(pytest.mark, f"ch{c.chapter}"))
+                                  for c in STALE_CHECKS])
+def test_no_false_pass_when_only_the_check_cell_is_rerun(notebook_page, lab, case: StaleCheck):
+    """Run All leaves the exercise "not done yet", so the check cell hands on the library's version
+    under the exercise's name. A learner then types an answer (wrong here) but runs only the check
+    cell: the check is handed the library's code again and must not say ✓; it must say to run the
+    exercise cell."""
+    page, open_ = notebook_page
+    path = chapter_notebook(f"{case.chapter}_")
+    relpath = path.relative_to(ROOT).as_posix()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in SCREENSHOTS.glob(f"ch{case.chapter}_stale_check_*.png"):
+        old.unlink()
+    panel = open_(path)
+    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    assert_ran_cleanly(panel, path.name)
+
+    exercise_cell = bh.code_cell(panel, f"# {case.exercise}:")
+    check_cell = bh.code_cell(panel, case.check)
+    first = bh.cell_output_text(check_cell)
+    assert "not done yet" in first and "✓" not in first, \
+        f"{case.exercise}: after Run All with the stub untouched the check said {first!r}"
+    check_cell.scroll_into_view_if_needed()
+    bh.assert_no_news_prompt(page)
+    check_cell.screenshot(path=str(SCREENSHOTS / f"ch{case.chapter}_stale_check_1_run_all.png"))
+
+    bh.replace_cell_source(page, exercise_cell, case.wrong_answer)  # typed, not run
+    bh.run_one_cell(page, panel, check_cell, lab, relpath, REDRAW_TIMEOUT_S * 3)
+    again = bh.cell_output_text(check_cell)
+    print(f"\nch{case.chapter}: check cell re-run alone said: {again[:200]!r}")
+    exercise_cell.scroll_into_view_if_needed()
+    bh.assert_no_news_prompt(page)
+    bh.screenshot_notebook(page, panel, SCREENSHOTS / f"ch{case.chapter}_stale_check_notebook.png")
+    check_cell.scroll_into_view_if_needed()
+    check_cell.screenshot(path=str(SCREENSHOTS / f"ch{case.chapter}_stale_check_2_check_rerun.png"))
+    assert "✓" not in again, (f"{case.exercise}: re-running only the check cell after editing the "
+                              f"exercise printed a pass for the library's code: {again!r}")
+    assert re.search(r"run the exercise cell", again, re.I), \
+        f"{case.exercise}: the check did not say to run the exercise cell: {again!r}"
 
 
 QUIZ_CHAPTER = "01"  # the concept check is tested in one chapter: every chapter's is the same widget
@@ -361,7 +427,7 @@ def test_concept_check_in_the_browser(notebook_page):
     n_choices = sum(len(q.choices) for q in questions if isinstance(q, MultipleChoice))
     assert choices.count() == n_choices, f"concept check: {choices.count()} of {n_choices} choices shown"
     assert not feedback_lines(output), "concept check: feedback shows before any answer is checked"
-    bh.dismiss_news_prompt(page)
+    bh.assert_no_news_prompt(page)
     output.screenshot(path=str(SCREENSHOTS / f"ch{QUIZ_CHAPTER}_quiz.png"))
 
     problems = []
@@ -400,7 +466,7 @@ def test_concept_check_in_the_browser(notebook_page):
                              shown(number.explanation, 30) in t, "✓ for the numeric answer")
     print(f"ch{QUIZ_CHAPTER} quiz: {number.answer:g} -> {line[:70]}…")
     page.wait_for_timeout(200)  # let the feedback paint
-    bh.dismiss_news_prompt(page)
+    bh.assert_no_news_prompt(page)
     output.screenshot(path=str(SCREENSHOTS / f"ch{QUIZ_CHAPTER}_quiz_after_check.png"))
 
     # the feedback lines are in view too: check again now that they show
