@@ -3,6 +3,8 @@ cause named, not-done stubs fall back to the library."""
 
 from __future__ import annotations
 
+import linecache
+
 import numpy as np
 import pytest
 
@@ -107,9 +109,9 @@ def reads_q_twice(q, k, v, **kwargs):
 
 
 def fa1_loads_unseen_kv_tiles(q, k, v, **kwargs):
-    """FA1 order that loads the K/V tiles past N_q, which no causal query sees."""
+    """FA1 order that also copies the K/V rows past N_q, which no causal query sees."""
     if kwargs.get("causal"):
-        k[..., q.shape[-2]:, :], v[..., q.shape[-2]:, :]
+        np.array(k[..., q.shape[-2]:, :]), np.array(v[..., q.shape[-2]:, :])
     return tiled.flash_attention_numpy_fa1(q, k, v, **kwargs)
 
 
@@ -141,8 +143,8 @@ def test_visiting_tiles_right_of_the_diagonal_is_caught(check, library, mistakes
     with pytest.raises(ExerciseFailed) as info:
         check(visits_every_tile(library))
     message = str(info.value)
-    assert "right numbers, too much work on case 2" in message
-    assert f"likely cause: {ch04.NO_SKIP}" in message
+    assert "right numbers, wrong loads on case 2" in message
+    assert "hidden tile" in message and "does not see" in message
 
 
 @pytest.mark.parametrize("fill", [0.0, np.nan])
@@ -154,12 +156,13 @@ def test_dropped_ragged_q_tile_is_named(fill):
     assert f"likely cause: {ch04.RAGGED_Q_DROPPED}" in message
 
 
-@pytest.mark.parametrize("check,wrong", [(ch04.check_flash_forward, reads_q_twice),
-                                         (ch04.check_flash_forward_fa1, fa1_loads_unseen_kv_tiles)])
-def test_extra_loads_are_caught(check, wrong):
+@pytest.mark.parametrize("check,wrong,says", [
+    (ch04.check_flash_forward, reads_q_twice, "too many loads: the elements of q in Q tile 0"),
+    (ch04.check_flash_forward_fa1, fa1_loads_unseen_kv_tiles, "which no query sees")])
+def test_extra_loads_are_caught(check, wrong, says):
     with pytest.raises(ExerciseFailed) as info:
         check(wrong)
-    assert f"likely cause: {ch04.EXTRA_LOADS}" in str(info.value)
+    assert says in str(info.value)
 
 
 def test_causal_left_for_later_is_not_done_not_a_pass(capsys):
@@ -179,13 +182,440 @@ def test_whole_forward_crash_gets_one_clear_message():
         ch04.check_flash_forward(crashes)
 
 
-def test_counted_array_counts_tiles_and_whole_array_operations():
-    x = ch04._counted(np.ones((2, 10, 3)))
-    tiled.load_tile(x, 8, 4)       # two real rows of each of 2 heads: 2·2·3 elements
-    assert x.reads[0] == 12
-    (x * 2.0).sum()                # one whole pass
-    assert x.reads[0] == 12 + 60
-    np.swapaxes(x, -1, -2)[..., :, 0:5]  # a view shares the count
-    assert x.reads[0] == 12 + 60 + 30
-    np.zeros_like(x)[..., 0:5, :]  # a new array does not
-    assert x.reads[0] == 102
+# ---- learner-written answers for exercises 4.4 and 4.5 --------------------------------------
+# Each wrong answer is a learner's own forward (a style different from the library's loop: slices
+# instead of load_tile, einsum, HBM arrays named O, L, M) with one plausible mistake typed into
+# it. They are compiled from source under a file name of their own, so that diagnoses can quote
+# the learner's line, as they do in a notebook.
+
+LEARNER_FA2 = '''\
+def flash_forward(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    n_q, d = q.shape[-2:]
+    n_k, d_v = k.shape[-2], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    o = np.zeros(q.shape[:-1] + (d_v,), dtype=q.dtype)
+    lse = np.zeros(q.shape[:-1], dtype=q.dtype)
+    for i in range(0, n_q, block_m):
+        qi = q[..., i:i + block_m, :]
+        r = qi.shape[-2]
+        m = np.full(qi.shape[:-1], -np.inf)
+        l = np.zeros(qi.shape[:-1])
+        acc = np.zeros(qi.shape[:-1] + (d_v,))
+        for j in range(0, n_k, block_n):
+            if causal and j > i + r - 1:
+                break
+            kj = k[..., j:j + block_n, :]
+            vj = v[..., j:j + block_n, :]
+            s = (qi @ np.swapaxes(kj, -1, -2)) * scale
+            if causal:
+                qpos = np.arange(i, i + r)[:, None]
+                kpos = np.arange(j, j + kj.shape[-2])[None, :]
+                s = np.where(kpos <= qpos, s, -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1))
+            p = np.exp(s - m_new[..., None])
+            alpha = np.exp(m - m_new)
+            l = alpha * l + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + p @ vj
+            m = m_new
+        o[..., i:i + r, :] = acc / l[..., None]
+        lse[..., i:i + r] = m + np.log(l)
+    return o, lse
+'''
+
+LEARNER_FA1 = '''\
+def flash_forward_fa1(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    *lead, n_q, d = q.shape
+    n_k, d_v = v.shape[-2:]
+    scale = d ** -0.5 if scale is None else scale
+    O = np.zeros((*lead, n_q, d_v))
+    L = np.zeros((*lead, n_q))
+    M = np.full((*lead, n_q), -np.inf)
+    for j in range(0, n_k, block_n):
+        if causal and j >= n_q:
+            break
+        Kj = k[..., j:j + block_n, :]
+        Vj = v[..., j:j + block_n, :]
+        kpos = np.arange(j, j + Kj.shape[-2])
+        for i in range(0, n_q, block_m):
+            stop = min(i + block_m, n_q)
+            if causal and j > stop - 1:
+                continue
+            Qi = q[..., i:stop, :]
+            S = scale * np.einsum("...id,...jd->...ij", Qi, Kj)
+            if causal:
+                S = np.where(kpos[None, :] <= np.arange(i, stop)[:, None], S, -np.inf)
+            m_old, l_old, o_old = M[..., i:stop], L[..., i:stop], O[..., i:stop, :]
+            m_new = np.maximum(m_old, S.max(-1))
+            P = np.exp(S - m_new[..., None])
+            l_new = np.exp(m_old - m_new) * l_old + P.sum(-1)
+            O[..., i:stop, :] = ((np.exp(m_old - m_new) * l_old)[..., None] * o_old + P @ Vj) / l_new[..., None]
+            M[..., i:stop], L[..., i:stop] = m_new, l_new
+    return O.astype(q.dtype), (M + np.log(L)).astype(q.dtype)
+'''
+
+
+def learner_answer(source: str, edits=(), label: str = "answer"):
+    """The function defined by ``source`` with each ``(old, new)`` edit applied (each ``old``
+    must occur), compiled under a file name of its own so that messages can quote its lines."""
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    filename = f"<learner {label}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"np": np, "tiled": tiled, "iomodel": iomodel}
+    exec(compile(source, filename, "exec"), namespace)
+    return next(value for name, value in namespace.items() if name.startswith("flash_forward"))
+
+
+def cause(words: str) -> str:
+    """The known cause (of exercise 4.4's or 4.5's mistake models) that contains ``words``."""
+    return next(c for c in {**ch04.WHOLE_FORWARD_MISTAKES, **ch04.FA1_MISTAKES} if words in c)
+
+
+NO_CAUSE = None  # the diagnosis must name no cause
+LOADS = "loads"  # right numbers: the diagnosis is about loads (which tile, which line)
+
+# (label, edits, what the diagnosis must say: a cause (text of WHOLE_FORWARD_MISTAKES or a
+# constant), LOADS, or NO_CAUSE)
+FA2_WRONG = [
+    ("no causal skip", [("            if causal and j > i + r - 1:\n                break\n", "")],
+     LOADS),
+    ("skip bound of a full last tile", [("j > i + r - 1", "j > i + block_m - 1")], LOADS),
+    ("skip test >=", [("j > i + r - 1", "j >= i + r - 1")], ch04._SKIP_GE),
+    ("mask hides the diagonal", [("kpos <= qpos", "kpos < qpos")], ch04._DIAGONAL_HIDDEN),
+    ("mask sees the next key", [("kpos <= qpos", "kpos <= qpos + 1")], ch04._CAUSAL_OFF_BY_ONE),
+    ("acc not rescaled", [("acc = alpha[..., None] * acc + p @ vj", "acc = acc + p @ vj")],
+     cause("accumulator (O) is not rescaled")),
+    ("l not rescaled", [("l = alpha * l + p.sum(axis=-1)", "l = l + p.sum(axis=-1)")],
+     cause("running sum l is not rescaled")),
+    ("lse without the max", [("m + np.log(l)", "np.log(l)")], cause("lse is log(l)")),
+    ("no final division", [("acc / l[..., None]", "acc")], cause("final division")),
+    ("scale argument ignored", [("* scale\n", "/ np.sqrt(d)\n")],
+     cause("scale argument is ignored")),
+    ("default scale 1/d", [("1.0 / np.sqrt(d)", "1.0 / d")], ch04._DEFAULT_SCALE_1_OVER_D),
+    ("state reset per K/V tile",
+     [("        m = np.full(qi.shape[:-1], -np.inf)\n        l = np.zeros(qi.shape[:-1])\n"
+       "        acc = np.zeros(qi.shape[:-1] + (d_v,))\n", ""),
+      ("            kj = k[", "            m = np.full(qi.shape[:-1], -np.inf)\n"
+       "            l = np.zeros(qi.shape[:-1])\n            acc = np.zeros(qi.shape[:-1] + (d_v,))\n"
+       "            kj = k[")],
+     cause("reset inside the K/V loop")),
+    ("ragged last Q tile dropped", [("range(0, n_q, block_m)", "range(0, n_q - block_m + 1, block_m)")],
+     ch04.RAGGED_Q_DROPPED),
+    ("no max subtracted", [("np.exp(s - m_new[..., None])", "np.exp(s)"),
+                           ("alpha = np.exp(m - m_new)", "alpha = 1.0"),
+                           ("m + np.log(l)", "np.log(l)")], NO_CAUSE),
+    ("outputs in float64", [("dtype=q.dtype)", ")")], NO_CAUSE),
+    ("q scaled in place", [("    o = np.zeros(q.shape", "    q *= scale\n    scale = 1.0\n    o = np.zeros(q.shape")],
+     NO_CAUSE),
+    ("k transposed with .T", [("np.swapaxes(kj, -1, -2)", "kj.T")], NO_CAUSE),
+    ("upfront cast of k and v", [("    o = np.zeros(q.shape", "    k, v = k.astype(np.float64), v.astype(np.float64)\n"
+                                  "    o = np.zeros(q.shape")], LOADS),
+    ("Q tile sliced again for every K/V tile", [("(qi @ np.swapaxes", "(q[..., i:i + block_m, :] @ np.swapaxes")],
+     LOADS),
+]
+
+FA1_WRONG = [
+    ("no pair skip", [("            if causal and j > stop - 1:\n                continue\n", "")],
+     LOADS),
+    ("K/V tiles past N_q loaded", [("        if causal and j >= n_q:\n            break\n", ""),
+                                   ("Kj = k[..., j:j + block_n, :]", "Kj = tiled.load_tile(k, j, block_n)[..., :min(block_n, n_k - j), :]")],
+     LOADS),
+    ("skip test >=", [("j > stop - 1", "j >= stop - 1")], ch04._SKIP_GE),
+    ("o not rescaled on reload", [("((np.exp(m_old - m_new) * l_old)[..., None] * o_old", "(l_old[..., None] * o_old")],
+     cause("l_old·o_old is not rescaled")),
+    ("o reloaded as if unnormalised", [("((np.exp(m_old - m_new) * l_old)[..., None] * o_old", "(np.exp(m_old - m_new)[..., None] * o_old")],
+     cause("not un-normalised on reload")),
+    ("l not rescaled", [("l_new = np.exp(m_old - m_new) * l_old + P.sum(-1)", "l_new = l_old + P.sum(-1)")],
+     cause("running sum l is not rescaled")),
+    ("state not read back", [("m_old, l_old, o_old = M[..., i:stop], L[..., i:stop], O[..., i:stop, :]",
+                              "m_old, l_old, o_old = np.full(Qi.shape[:-1], -np.inf), np.zeros(Qi.shape[:-1]), 0.0")],
+     cause("state is not read back")),
+    ("lse without the max", [("(M + np.log(L))", "np.log(L)")], cause("lse is log(l)")),
+    ("scale argument ignored", [("scale = d ** -0.5 if scale is None else scale", "scale = d ** -0.5")],
+     cause("scale argument is ignored")),
+    ("float64 results", [("return O.astype(q.dtype), (M + np.log(L)).astype(q.dtype)", "return O, M + np.log(L)")],
+     NO_CAUSE),
+    ("mask hides the diagonal", [("<= np.arange(i, stop)", "< np.arange(i, stop)")], NO_CAUSE),
+    ("upfront copy of k", [("    O = np.zeros(", "    k = np.array(k)\n    O = np.zeros(")], LOADS),
+]
+
+
+@pytest.mark.parametrize("label,edits,expect", FA2_WRONG, ids=[w[0] for w in FA2_WRONG])
+def test_learner_fa2_mistakes_rejected_with_the_right_cause_or_none(label, edits, expect):
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_flash_forward(learner_answer(LEARNER_FA2, edits, label))
+    assert_diagnosis(str(info.value), expect, ch04.WHOLE_FORWARD_MISTAKES)
+
+
+@pytest.mark.parametrize("label,edits,expect", FA1_WRONG, ids=[w[0] for w in FA1_WRONG])
+def test_learner_fa1_mistakes_rejected_with_the_right_cause_or_none(label, edits, expect):
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_flash_forward_fa1(learner_answer(LEARNER_FA1, edits, label))
+    assert_diagnosis(str(info.value), expect, ch04.FA1_MISTAKES)
+
+
+def assert_diagnosis(message: str, expect, mistakes):
+    named = [line for line in message.split("\n")
+             if line.startswith("  likely cause:") or line.startswith("  - ")]
+    if expect is LOADS:
+        assert "right numbers, wrong loads" in message
+        assert "line " in message  # the learner's line that loaded it
+        assert not named
+    elif expect is NO_CAUSE:
+        assert not named, message
+    else:
+        assert named == [f"  likely cause: {expect}"], message
+
+
+VALID_FA2 = {
+    "slices, shorter ragged tiles": (LEARNER_FA2, []),
+    "exp2, q scaled up front, precomputed tile bounds, load_tile": ('''\
+def flash_forward(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    LOG2E = 1.4426950408889634
+    n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * (scale * LOG2E)                   # every Q tile needs its rows: one pass over q
+    lead = q.shape[:-2]
+    o = np.empty(lead + (n_q, d_v), dtype=q.dtype)
+    lse = np.empty(lead + (n_q,), dtype=q.dtype)
+    starts = [(i * block_m, min((i + 1) * block_m, n_q)) for i in range(iomodel.num_blocks(n_q, block_m))]
+    for q0, q1 in starts:
+        last_key = min(q1, n_k) if causal else n_k
+        n_tiles = iomodel.num_blocks(last_key, block_n)
+        qt = tiled.load_tile(q, q0, block_m)
+        m = np.full(lead + (block_m,), -np.inf)
+        l = np.zeros(lead + (block_m,))
+        acc = np.zeros(lead + (block_m, d_v))
+        for t in range(n_tiles):
+            k0 = t * block_n
+            kt, vt = tiled.load_tile(k, k0, block_n), tiled.load_tile(v, k0, block_n)
+            cols = k0 + np.arange(block_n)
+            ok = cols[None, :] < n_k
+            if causal:
+                ok = ok & (cols[None, :] <= (q0 + np.arange(block_m))[:, None])
+            s = np.where(ok, np.einsum("...md,...nd->...mn", qt, kt), -np.inf)
+            m2 = np.maximum(m, s.max(-1))
+            corr = np.exp2(m - m2)
+            pt = np.exp2(s - m2[..., None])
+            l = corr * l + pt.sum(-1)
+            acc = corr[..., None] * acc + np.einsum("...mn,...nd->...md", pt, vt)
+            m = m2
+        rows = q1 - q0
+        o[..., q0:q1, :] = (acc / l[..., None])[..., :rows, :]
+        lse[..., q0:q1] = ((m + np.log2(l)) / LOG2E)[..., :rows]
+    return o, lse
+''', []),
+    "flattened heads, while loops, outputs reshaped at the end": ('''\
+def flash_forward(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    q = np.asarray(q)                         # a defensive copy of q: loads it once
+    lead, (n_q, d), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    scale = scale if scale is not None else d ** -0.5
+    qf, kf, vf = q.reshape(-1, n_q, d), k.reshape(-1, n_k, d), v.reshape(-1, n_k, d_v)
+    o = np.zeros((qf.shape[0], n_q, d_v), dtype=q.dtype)
+    lse = np.zeros((qf.shape[0], n_q), dtype=q.dtype)
+    q0 = 0
+    while q0 < n_q:
+        q1 = min(q0 + block_m, n_q)
+        qt = qf[:, q0:q1, :] * scale
+        m = np.full((qf.shape[0], q1 - q0), -np.inf, dtype=q.dtype)
+        l = np.zeros_like(m)
+        acc = np.zeros((qf.shape[0], q1 - q0, d_v), dtype=q.dtype)
+        k0 = 0
+        while k0 < n_k and not (causal and k0 > q1 - 1):
+            k1 = min(k0 + block_n, n_k)
+            s = qt @ kf[:, k0:k1, :].transpose(0, 2, 1)
+            if causal:
+                s[:, np.arange(k0, k1)[None, :] > np.arange(q0, q1)[:, None]] = -np.inf
+            m_new = np.maximum(m, s.max(axis=2))
+            p = np.exp(s - m_new[:, :, None])
+            scale_old = np.exp(m - m_new)
+            l = scale_old * l + p.sum(axis=2)
+            acc = scale_old[:, :, None] * acc + p @ vf[:, k0:k1, :]
+            m = m_new
+            k0 = k1
+        o[:, q0:q1] = acc / l[:, :, None]
+        lse[:, q0:q1] = m + np.log(l)
+        q0 = q1
+    return o.reshape(lead + (n_q, d_v)), lse.reshape(lead + (n_q,))
+''', []),
+    "reverse K/V order with a guarded max": (LEARNER_FA2, [
+        ("        for j in range(0, n_k, block_n):\n            if causal and j > i + r - 1:\n                break\n",
+         "        last = min(n_k, i + r) if causal else n_k\n"
+         "        for j in reversed(range(0, last, block_n)):\n"),
+        ("p = np.exp(s - m_new[..., None])", "p = np.exp(s - np.where(np.isinf(m_new), 0, m_new)[..., None])"),
+        ("alpha = np.exp(m - m_new)", "alpha = np.exp(m - np.where(np.isinf(m_new), 0, m_new))"),
+    ]),
+}
+
+VALID_FA1 = {
+    "slices and einsum": (LEARNER_FA1, []),
+    "load_tile, exp2, q scaled up front": ('''\
+def flash_forward_fa1(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    LOG2E = 1.4426950408889634
+    n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    qs = q.astype(np.float64) * (scale * LOG2E)
+    lead = q.shape[:-2]
+    o = np.zeros(lead + (n_q, d_v))
+    l_hbm = np.zeros(lead + (n_q,))
+    m_hbm = np.full(lead + (n_q,), -np.inf)
+    n_kv = iomodel.num_blocks(min(n_k, n_q) if causal else n_k, block_n)
+    for j in range(n_kv):
+        k_start = j * block_n
+        kt, vt = tiled.load_tile(k, k_start, block_n), tiled.load_tile(v, k_start, block_n)
+        for i in range(iomodel.num_blocks(n_q, block_m)):
+            q_start = i * block_m
+            rows = iomodel.block_rows(i, n_q, block_m)
+            if causal and k_start > q_start + rows - 1:
+                continue
+            sl = slice(q_start, q_start + rows)
+            s = tiled.load_tile(qs, q_start, block_m)[..., :rows, :] @ np.swapaxes(kt, -1, -2)
+            kk = k_start + np.arange(block_n)[None, :]
+            qq = q_start + np.arange(rows)[:, None]
+            s = np.where((kk < n_k) & ((kk <= qq) | (not causal)), s, -np.inf)
+            m_new = np.maximum(m_hbm[..., sl], s.max(-1))
+            a = np.exp2(m_hbm[..., sl] - m_new)
+            p = np.exp2(s - m_new[..., None])
+            l_new = a * l_hbm[..., sl] + p.sum(-1)
+            o[..., sl, :] = ((a * l_hbm[..., sl])[..., None] * o[..., sl, :] + p @ vt) / l_new[..., None]
+            l_hbm[..., sl], m_hbm[..., sl] = l_new, m_new
+    return o.astype(q.dtype), ((m_hbm + np.log2(l_hbm)) / LOG2E).astype(q.dtype)
+''', []),
+    "unnormalised o in HBM, divided at the end": (LEARNER_FA1, [
+        ("((np.exp(m_old - m_new) * l_old)[..., None] * o_old + P @ Vj) / l_new[..., None]",
+         "np.exp(m_old - m_new)[..., None] * o_old + P @ Vj"),
+        ("return O.astype(q.dtype)", "return (O / L[..., None]).astype(q.dtype)"),
+    ]),
+    "list of visible pairs": ('''\
+def flash_forward_fa1(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    t_r, t_c = iomodel.num_blocks(n_q, block_m), iomodel.num_blocks(n_k, block_n)
+    skip = iomodel.causal_skip_grid(n_q, n_k, block_m, block_n) if causal else np.zeros((t_r, t_c), bool)
+    O = np.zeros(q.shape[:-1] + v.shape[-1:])
+    L = np.zeros(q.shape[:-1])
+    M = np.full(q.shape[:-1], -np.inf)
+    for j in range(t_c):
+        visible = [i for i in range(t_r) if not skip[i, j]]
+        if not visible:
+            continue
+        K = k[..., j * block_n:(j + 1) * block_n, :]
+        V = v[..., j * block_n:(j + 1) * block_n, :]
+        for i in visible:
+            rs = slice(i * block_m, min((i + 1) * block_m, n_q))
+            S = q[..., rs, :] @ np.swapaxes(K, -1, -2) * scale
+            qi, kj = np.ogrid[rs.start:rs.stop, j * block_n:j * block_n + K.shape[-2]]
+            if causal:
+                S[..., kj > qi] = -np.inf
+            m_new = np.maximum(M[..., rs], S.max(-1))
+            P = np.exp(S - m_new[..., None])
+            a = np.exp(M[..., rs] - m_new)
+            l_new = a * L[..., rs] + P.sum(-1)
+            O[..., rs, :] = ((a * L[..., rs])[..., None] * O[..., rs, :] + P @ V) / l_new[..., None]
+            M[..., rs], L[..., rs] = m_new, l_new
+    return O.astype(q.dtype), (M + np.log(L)).astype(q.dtype)
+''', []),
+}
+
+
+@pytest.mark.parametrize("label", list(VALID_FA2))
+def test_valid_fa2_alternatives_pass(label, capsys):
+    answer = learner_answer(*VALID_FA2[label], label=label)
+    assert ch04.check_flash_forward(answer) is answer
+    assert "✓ Exercise 4.4: passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("label", list(VALID_FA1))
+def test_valid_fa1_alternatives_pass(label, capsys):
+    answer = learner_answer(*VALID_FA1[label], label=label)
+    assert ch04.check_flash_forward_fa1(answer) is answer
+    assert "✓ Exercise 4.5: passed" in capsys.readouterr().out
+
+
+def test_corpus_sizes():
+    assert len(FA2_WRONG) >= 10 and len(FA1_WRONG) >= 10
+    assert len(VALID_FA2) >= 3 and len(VALID_FA1) >= 3
+
+
+def test_hidden_tile_diagnosis_names_the_q_tile_the_k_v_tile_and_the_line():
+    answer = learner_answer(LEARNER_FA2, FA2_WRONG[0][1], "no skip")
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_flash_forward(answer)
+    message = str(info.value)
+    assert "while your loop was on Q tile 0 (queries 0–7)" in message
+    assert "K/V tile 2 (keys 12–17), which that Q tile does not see" in message
+    assert "`s = (qi @ np.swapaxes(kj, -1, -2)) * scale`" in message
+
+
+def test_whole_array_cast_of_k_is_reported_as_loading_hidden_tiles():
+    answer = learner_answer(LEARNER_FA2, FA2_WRONG[-2][1], "cast")
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_flash_forward(answer)
+    message = str(info.value)
+    assert "which no query sees" in message and "uses the whole of k" in message
+    assert "`k, v = k.astype(np.float64), v.astype(np.float64)`" in message
+
+
+# ---- what counts as a load -------------------------------------------------------------------
+
+def watched(shape=(2, 10, 3)):
+    log, (x,) = ch04._watch({"q": np.arange(float(np.prod(shape))).reshape(shape)})
+    return log, x
+
+
+def loads(log):
+    return int(log.counts["q"].sum())
+
+
+@pytest.mark.parametrize("read,elements", [
+    (lambda x: tiled.load_tile(x, 8, 4), 2 * 2 * 3),      # two real rows of each of 2 heads
+    (lambda x: x.astype(np.float32), 60),
+    (lambda x: x.copy(), 60),
+    (lambda x: np.copy(x), 60),
+    (lambda x: np.array(x), 60),
+    (lambda x: np.asarray(x), 60),
+    (lambda x: np.ascontiguousarray(x), 60),
+    (lambda x: x * 0.5, 60),
+    (lambda x: x[..., 0:5, :].copy(), 30),
+    (lambda x: np.array(x[..., 0:5, :]), 30),
+    (lambda x: x[..., [0, 3], :], 12),
+    (lambda x: x[..., 2:4, :] @ np.ones((3, 1)), 12),
+    (lambda x: np.swapaxes(x, -1, -2)[..., :, 0:5].sum(), 30),
+    (lambda x: x.max(), 60),
+    (lambda x: float(x[0, 0, 0]), 1),
+])
+def test_reads_count_exactly_the_elements_they_copy(read, elements):
+    log, x = watched()
+    read(x)
+    assert loads(log) == elements
+
+
+@pytest.mark.parametrize("free", [
+    lambda x: (x.shape, x.dtype, x.ndim, x.size, len(x)),
+    lambda x: x[..., 0].shape,
+    lambda x: (np.empty_like(x), np.zeros_like(x), np.ones_like(x), np.full_like(x, 2.0)),
+    lambda x: np.zeros_like(x[..., 0:5, :]),
+    lambda x: (x.T, np.swapaxes(x, -1, -2), x.reshape(-1, 3), x[None]),
+    lambda x: (np.shape(x), np.ndim(x), np.result_type(x, np.float32)),
+    lambda x: isinstance(x, np.ndarray) or 1 / 0,
+])
+def test_metadata_and_views_load_nothing(free):
+    log, x = watched()
+    free(x)
+    assert loads(log) == 0
+
+
+def test_a_used_slice_holds_its_values_and_a_copy_is_not_reloaded():
+    log, x = watched()
+    tile = x[..., 0:5, :]
+    tile * 2.0
+    tile.sum()                       # the same slice again: held, no new load
+    assert loads(log) == 30
+    x[..., 0:5, :].sum()             # a new slice of the same rows loads them again
+    assert loads(log) == 60
+    y = x * 3.0                      # a whole pass over x ...
+    tiled.load_tile(y, 0, 4)         # ... and tiles of the learner's copy: not loads of x
+    assert loads(log) == 120
+    assert [t.kind for t in log.touches][-1] == "copy"

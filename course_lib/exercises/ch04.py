@@ -30,6 +30,10 @@ what is recognised; when a wrong answer equals one of them, the check names the 
 
 from __future__ import annotations
 
+import linecache
+import sys
+from dataclasses import dataclass
+
 import numpy as np
 
 from course_lib.checks import learner_check
@@ -100,12 +104,13 @@ def _forward_mistake(name, *, rule=None, step=tiled.online_softmax_step,
     """A model of a wrong answer: the library's loop (``forward``: FA2 order, or FA1 order for
     exercise 4.5) with the given parts swapped.
 
-    ``rule(causal)`` builds the mistaken mask; ``wrong_scale(d)`` the mistaken scale.
+    ``rule(causal)`` builds the mistaken mask; ``wrong_scale(d, scale)`` the mistaken scale from
+    the head dim and the scale argument.
     """
     def wrong(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
               block_n=tiled.DEFAULT_BLOCK_N):
         if wrong_scale is not None:
-            scale = wrong_scale(q.shape[-1])
+            scale = wrong_scale(q.shape[-1], scale)
         mask = {"causal": causal} if rule is None else {"rule": rule(causal)}
         return forward(q, k, v, scale=scale, block_m=block_m, block_n=block_n, step=step,
                        finish=finish, **mask)
@@ -113,13 +118,37 @@ def _forward_mistake(name, *, rule=None, step=tiled.online_softmax_step,
     return wrong
 
 
-def _fa2_forward_mask_after_softmax(q, k, v, causal=False, scale=None,
-                                    block_m=tiled.DEFAULT_BLOCK_M, block_n=tiled.DEFAULT_BLOCK_N):
-    """The causal mask applied after the statistics: m and l count every key, the weights only
-    the visible ones — the right causal output reweighted by ``exp(lse_causal - lse_all)``."""
-    o, lse = tiled.flash_attention_numpy(q, k, v, causal, scale, block_m, block_n)
-    _, lse_all = tiled.flash_attention_numpy(q, k, v, False, scale, block_m, block_n)
-    return o * np.exp(lse - lse_all)[..., None], lse_all
+class _SkipOnly(tiled.TileRule):
+    """Every key visible, but the tiles the causal mask hides skipped (``skip``) or not."""
+
+    def __init__(self, skip: bool):
+        self.skip = skip
+
+    def visible(self, q_idx, k_idx):
+        return np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(k_idx)), dtype=bool)
+
+    def tile_classes(self, n_q, n_k, block_m, block_n):
+        classes = tiled.CAUSAL.tile_classes(n_q, n_k, block_m, block_n)
+        return np.where((classes == tiled.SKIP) & self.skip, tiled.SKIP, tiled.PARTIAL)
+
+
+def _mask_after_softmax(skip: bool):
+    """The causal mask applied after the statistics: m and l count every key of every tile the
+    loop computes (all tiles, or with ``skip`` the tiles left of the diagonal), the weights only
+    the visible keys — the right causal output reweighted by ``exp(lse_causal - lse_computed)``."""
+    def wrong(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
+              block_n=tiled.DEFAULT_BLOCK_N):
+        o, lse = tiled.flash_attention_numpy(q, k, v, causal, scale, block_m, block_n)
+        if not causal:
+            return o, lse
+        _, lse_all = tiled.flash_attention_numpy(q, k, v, False, scale, block_m, block_n,
+                                                 rule=_SkipOnly(skip))
+        return (o * np.exp(lse - lse_all)[..., None]).astype(o.dtype), lse_all
+    wrong.__name__ = f"flash_attention_numpy_mask_after_softmax{'_skipping' if skip else ''}"
+    return wrong
+
+
+_fa2_forward_mask_after_softmax = _mask_after_softmax(skip=False)
 
 
 FORWARD_MISTAKES = {
@@ -139,28 +168,19 @@ FORWARD_MISTAKES = {
         _forward_mistake("acc_not_rescaled", step=_step_acc_not_rescaled),
     "the final division by l is missing: o = acc / l at the end of the K/V loop":
         _forward_mistake("no_final_division", finish=_finish_no_division),
-    "the scale is 1/d instead of 1/sqrt(d)":
-        _forward_mistake("scale_1_over_d", wrong_scale=lambda d: 1.0 / d),
+    "the scale is 1/d instead of 1/sqrt(d), and the scale argument is ignored":
+        _forward_mistake("scale_1_over_d", wrong_scale=lambda d, scale: 1.0 / d),
+    "the scale argument is ignored: scores are always scaled by 1/sqrt(d) (use the scale "
+    "given, 1/sqrt(d) only when it is None)":
+        _forward_mistake("scale_ignored", wrong_scale=lambda d, scale: d ** -0.5),
     "lse is log(l) without adding back the running max m (lse = m + log l)":
         _forward_mistake("lse_without_max", finish=_finish_lse_without_max),
 }
 
 
 def _forward_cases(seed: int = 4):
-    rng = np.random.default_rng(seed)
-    # (leading dims, N_q, N_k, d, block_m, block_n, causal): all ragged (N not a multiple of the
-    # tiles), unequal tile sizes, N_q != N_k, and one case with large scores (spread = 4).
-    specs = [((), 37, 45, 8, 16, 8, False, 1.0),
-             ((), 45, 45, 8, 16, 8, True, 1.0),
-             ((2,), 29, 50, 4, 8, 16, True, 1.0),
-             ((2, 3), 19, 19, 4, 8, 5, True, 4.0)]
-    cases = []
-    for lead, n_q, n_k, d, bm, bn, causal, spread in specs:
-        q, k, v = (spread * rng.standard_normal(lead + (n, d)) for n in (n_q, n_k, n_k))
-        cases.append(Case((q, k, v), {"causal": causal, "block_m": bm, "block_n": bn},
-                          label=f"N_q={n_q}, N_k={n_k}, d={d}, BLOCK_M={bm}, BLOCK_N={bn}, "
-                                f"causal={causal}"))
-    return cases
+    """Exercise 4.1's cases (see _CASE_SPECS)."""
+    return _cases("4.1", seed)
 
 
 def _reference_forward(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
@@ -273,200 +293,613 @@ def check_olm_traffic(fn):
 # ----------------------------------------------------------------------------------------------
 
 # These checks look at two things: the numbers (o and lse on irregular cases, as exercise 4.1)
-# and the work. A forward that computes the tiles right of the causal diagonal and masks them
-# gets the right numbers; only the traffic shows the missing skip. So q, k and v reach the
-# learner's function as _CountedArray views that count every element read out of them (a tile
-# load `x[..., a:b, :]`, or a whole-array operation), and the counts are compared with what the
-# library's loop reads (tiled.IOCounter) on the same case.
+# and the work. A causal forward that computes the tiles right of the diagonal and masks them
+# gets the right numbers; only its loads show the missing skip. So q, k and v reach the learner's
+# function as _Watched arrays: each records, in order and with the learner's line, which of its
+# elements the function loads (LOAD_RULES says what counts), and _judge_loads compares that
+# record with what the algorithm needs.
 
-class _CountedArray(np.ndarray):
-    """An input array that counts the elements read out of it, as HBM reads.
+LOAD_RULES = """\
+What the checks of exercises 4.4 and 4.5 count as a load of q, k or v:
+* An operation that copies the values or computes with them loads every element it touches,
+  once: tiled.load_tile(x, ...), a slice x[..., a:b, :] assigned into another array or used in
+  arithmetic, x.copy(), np.copy(x), np.array(x), np.asarray(x), np.ascontiguousarray(x),
+  x.astype(...), x * scale, x @ y, np.einsum, sums and maxima, fancy indexing x[..., [0, 2], :].
+* So an operation on a whole input loads all of it: k.astype(np.float64) loads every K/V tile,
+  the hidden ones too.
+* A slice x[..., a:b, :] (and its .T, swapaxes, reshape) is a view: it loads nothing until its
+  values are used. Once used, it holds them, like a tile in SRAM: using the same slice again
+  loads nothing more (a new slice of the same rows loads them again).
+* The result of an element-wise operation on an input (q * scale, q.astype(...), q.copy()) is
+  your own copy: using it is not another load of q, but the check still sees which of its rows
+  you use. np.asarray(x) and np.array(x) hand you a plain array: what you do with it is not seen.
+* Shapes, dtype, ndim, size, len(), np.empty_like / zeros_like / ones_like / full_like, and
+  printing load nothing.
+The loop is "on" the Q tile whose rows of q (or of your copy of q) it used last (FA2 order), on
+the K/V tile whose rows of k or v it used last (FA1 order).
+"""
 
-    Indexing (``load_tile``'s ``x[..., start:stop, :]``, or a slice of the learner's own) counts
-    the elements it returns, a ufunc on the whole array (``q @ k.T``, ``scale * q``) counts the
-    whole array; both return plain arrays. Views (``swapaxes``, ``.T``) share the count; copies
-    and new arrays (``astype``, ``zeros_like``) do not count.
+
+@dataclass
+class _Touch:
+    """One operation's use of an input: which rows, how many elements it loaded (the rest were
+    already held by the slice, or came from the learner's own copy), and the learner's line."""
+
+    name: str
+    rows: np.ndarray  # sorted row numbers (along N) that the operation used
+    loaded: int  # elements loaded from the input by this operation
+    kind: str  # "load", "reuse" (a slice used again) or "copy" (the learner's copy of it)
+    whole: bool  # the operation used every element of the input
+    where: tuple | None  # (filename, line number) in the learner's code
+
+
+class _LoadLog:
+    """The loads one call of the learner's function makes from its inputs, in order."""
+
+    def __init__(self, inputs: dict):
+        self.shapes = {name: x.shape for name, x in inputs.items()}
+        self.counts = {name: np.zeros(x.size, dtype=np.int64) for name, x in inputs.items()}
+        self.touches: list[_Touch] = []
+
+    def record(self, name: str, ids: np.ndarray, new: np.ndarray, kind: str) -> None:
+        n, d = self.shapes[name][-2:]
+        self.counts[name][new] += 1
+        self.touches.append(_Touch(name, np.unique((ids // d) % n), int(new.size), kind,
+                                   ids.size == self.counts[name].size, _learner_line()))
+
+    def loads_per_row(self, name: str) -> np.ndarray:
+        """(N,) the most times any element of each row was loaded."""
+        n, d = self.shapes[name][-2:]
+        return self.counts[name].reshape(-1, n, d).max(axis=(0, 2))
+
+
+def _learner_line():
+    """(filename, line number) of the innermost frame of the learner's code on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if not checks.is_library_frame(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _line_text(where) -> str:
+    if where is None:
+        return "a line outside your code"
+    text = linecache.getline(where[0], where[1]).strip()
+    return f"line {where[1]}: `{text}`" if text else f"line {where[1]}"
+
+
+# NumPy functions that return a view (the result stays watched, nothing is loaded), that only
+# read the metadata (nothing is loaded), or that copy (loads; the result is the learner's copy)
+_VIEW_FUNCTIONS = {np.swapaxes, np.transpose, np.moveaxis, np.reshape, np.expand_dims,
+                   np.squeeze, np.ravel, np.broadcast_to, np.rollaxis,
+                   *(getattr(np, f) for f in ("matrix_transpose", "permute_dims")
+                     if hasattr(np, f))}
+_METADATA_FUNCTIONS = {np.shape, np.ndim, np.size, np.result_type, np.empty_like, np.zeros_like,
+                       np.ones_like, np.full_like, np.iscomplexobj, np.isrealobj}
+_COPY_FUNCTIONS = {np.copy}
+
+
+def _is_basic_index(key) -> bool:
+    items = key if isinstance(key, tuple) else (key,)
+    return all(i is None or i is Ellipsis or isinstance(i, slice)
+               or (isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)))
+               for i in items)
+
+
+def _plain(x, touch: bool = True):
+    """``x`` with every _Watched inside (through tuples, lists and dicts) replaced by its values;
+    ``touch``: as a use of all of them (a load, unless they are held or the learner's copy)."""
+    if isinstance(x, _Watched):
+        if touch:
+            x._touch(x._ids)
+        return x._data
+    if isinstance(x, tuple):
+        return tuple(_plain(e, touch) for e in x)
+    if isinstance(x, list):
+        return [_plain(e, touch) for e in x]
+    if isinstance(x, dict):
+        return {key: _plain(e, touch) for key, e in x.items()}
+    return x
+
+
+class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
+    """An input of the learner's forward (or a view of it, or the learner's copy of it) that
+    records which of its elements are loaded (:data:`LOAD_RULES`).
+
+    It is not an ndarray, so that every way of reading its values goes through it (NumPy calls
+    ``__array__`` to copy it into another array, ``__array_ufunc__`` for arithmetic,
+    ``__array_function__`` for its functions); ``isinstance(x, np.ndarray)`` still holds, as for
+    the array the learner expects. ``_ids`` holds, for each element, its flat position in the
+    input; ``_memory`` (a slice's) which of them the slice already holds (None: a whole input,
+    which holds nothing); ``_copy``: the learner's copy (using it loads nothing).
     """
 
-    def __array_finalize__(self, obj):
-        self.reads = getattr(obj, "reads", None) if self.base is not None else None
+    def __init__(self, data, ids, log: _LoadLog, name: str, memory=None, copy=False):
+        self._data, self._ids, self._log, self._name = data, ids, log, name
+        self._memory, self._copy = memory, copy
 
-    def _count(self, elements: int) -> None:
-        if self.reads is not None:
-            self.reads[0] += int(elements)
+    @property
+    def __class__(self):  # isinstance(x, np.ndarray) is True, as for a plain input
+        return np.ndarray
+
+    # ---- what loads nothing
+    shape = property(lambda self: self._data.shape)
+    dtype = property(lambda self: self._data.dtype)
+    ndim = property(lambda self: self._data.ndim)
+    size = property(lambda self: self._data.size)
+    itemsize = property(lambda self: self._data.itemsize)
+    nbytes = property(lambda self: self._data.nbytes)
+    strides = property(lambda self: self._data.strides)
+    flags = property(lambda self: self._data.flags)
+
+    def __len__(self):
+        return len(self._data)
+
+    def __repr__(self):  # printing is not a load
+        return repr(self._data)
+
+    def __str__(self):
+        return str(self._data)
+
+    def __format__(self, spec):
+        return format(self._data, spec)
+
+    # ---- views: watched, nothing loaded
+    def _view(self, data, ids, indexed: bool = False) -> "_Watched":
+        memory = self._memory
+        if indexed and not self._copy and memory is None \
+                and np.unique(ids).size < self._log.counts[self._name].size:
+            memory = np.zeros(self._log.counts[self._name].size, dtype=bool)  # a new slice
+        return _Watched(data, ids, self._log, self._name, memory, self._copy)
+
+    T = property(lambda self: self._view(self._data.T, self._ids.T))
+    mT = property(lambda self: self._view(np.swapaxes(self._data, -1, -2),
+                                          np.swapaxes(self._ids, -1, -2)))
+    real = property(lambda self: self)
+
+    def swapaxes(self, *axes):
+        return self._view(self._data.swapaxes(*axes), self._ids.swapaxes(*axes))
+
+    def transpose(self, *axes):
+        return self._view(self._data.transpose(*axes), self._ids.transpose(*axes))
+
+    def reshape(self, *shape, **kwargs):
+        return self._view(self._data.reshape(*shape, **kwargs),
+                          self._ids.reshape(*shape, **kwargs))
+
+    def squeeze(self, *args, **kwargs):
+        return self._view(self._data.squeeze(*args, **kwargs),
+                          self._ids.squeeze(*args, **kwargs))
+
+    def ravel(self, *args, **kwargs):
+        return self._view(self._data.ravel(*args, **kwargs), self._ids.ravel(*args, **kwargs))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
     def __getitem__(self, key):
-        out = np.asarray(self)[key]
-        self._count(np.size(out))
-        return out
+        key = _plain(key)
+        if _is_basic_index(key):
+            data = self._data[key]
+            if not isinstance(data, np.ndarray):  # one element: keep it a (0-d) view
+                items = key if isinstance(key, tuple) else (key,)
+                if any(i is Ellipsis for i in items):
+                    self._touch(np.asarray(self._ids[key]).reshape(-1))
+                    return data
+                key = items + (Ellipsis,)
+                data = self._data[key]
+            return self._view(data, self._ids[key], indexed=True)
+        ids = self._ids[key]  # fancy indexing copies: a load, and the learner's copy
+        self._touch(ids)
+        return _Watched(self._data[key], ids, self._log, self._name, copy=True)
+
+    # ---- what loads
+    def _touch(self, ids) -> None:
+        ids = np.unique(np.asarray(ids).reshape(-1))
+        if self._copy:
+            new, kind = ids[:0], "copy"
+        elif self._memory is None:
+            new, kind = ids, "load"
+        else:
+            new = ids[~self._memory[ids]]
+            self._memory[new] = True
+            kind = "load" if new.size else "reuse"
+        self._log.record(self._name, ids, new, kind)
+
+    def __setitem__(self, key, value):  # writes into the input: the check reports it
+        self._data[_plain(key)] = _plain(value)
+
+    def __array__(self, dtype=None, copy=None):
+        self._touch(self._ids)
+        data = self._data if dtype is None else self._data.astype(dtype, copy=False)
+        return data.copy() if copy else data
+
+    def _learner_copy(self, data) -> "_Watched":
+        self._touch(self._ids)
+        return _Watched(data, self._ids.copy(), self._log, self._name, copy=True)
+
+    def astype(self, dtype, *args, **kwargs):
+        return self._learner_copy(self._data.astype(dtype, *args, **kwargs))
+
+    def copy(self, *args, **kwargs):
+        return self._learner_copy(self._data.copy(*args, **kwargs))
+
+    def flatten(self, *args, **kwargs):
+        self._touch(self._ids)
+        return _Watched(self._data.flatten(*args, **kwargs), self._ids.flatten(*args, **kwargs),
+                        self._log, self._name, copy=True)
+
+    def __float__(self):
+        self._touch(self._ids)
+        return float(self._data)
+
+    def __int__(self):
+        self._touch(self._ids)
+        return int(self._data)
+
+    def __bool__(self):
+        self._touch(self._ids)
+        return bool(self._data)
+
+    def __getattr__(self, name):  # any other ndarray method (max, sum, dot, ...) uses all of it
+        if name.startswith("__") or name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self._data, name)
+        if not callable(attr):
+            return attr
+
+        def method(*args, **kwargs):
+            self._touch(self._ids)
+            return attr(*_plain(args), **_plain(kwargs))
+        return method
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        plain = []
-        for x in inputs:
-            if isinstance(x, _CountedArray):
-                x._count(x.size)
-                x = np.asarray(x)
-            plain.append(x)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(np.asarray(x) for x in kwargs["out"])
-        return getattr(ufunc, method)(*plain, **kwargs)
+        watched = [x for x in inputs if isinstance(x, _Watched)]
+        out = kwargs.get("out")
+        out_watched = out[0] if out and isinstance(out[0], _Watched) else None
+        if out is not None:
+            kwargs["out"] = tuple(_plain(o, touch=False) for o in out)
+        result = getattr(ufunc, method)(*_plain(inputs), **_plain(kwargs))
+        if out_watched is not None:
+            return out_watched
+        # an element-wise operation on one watched array (q * scale): the learner's copy of it
+        if method == "__call__" and ufunc.signature is None and ufunc.nout == 1 \
+                and len(watched) == 1 and out is None and isinstance(result, np.ndarray) \
+                and result.shape == watched[0].shape:
+            w = watched[0]
+            return _Watched(result, np.array(w._ids), w._log, w._name, copy=True)
+        return result
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func in _METADATA_FUNCTIONS:
+            return func(*_plain(args, touch=False), **_plain(kwargs, touch=False))
+        if func in _VIEW_FUNCTIONS and args and isinstance(args[0], _Watched):
+            w = args[0]
+            rest, kw = _plain(args[1:], touch=False), _plain(kwargs, touch=False)
+            return w._view(func(w._data, *rest, **kw), func(w._ids, *rest, **kw))
+        if func in _COPY_FUNCTIONS and args and isinstance(args[0], _Watched):
+            return args[0]._learner_copy(func(args[0]._data, *args[1:], **kwargs))
+        return func(*_plain(args), **_plain(kwargs))
 
 
-def _counted(x: np.ndarray) -> _CountedArray:
-    view = x.view(_CountedArray)
-    view.reads = [0]
-    return view
+def _watch(inputs: dict) -> tuple[_LoadLog, list[_Watched]]:
+    """Watched versions of the named arrays, and the log they record into."""
+    log = _LoadLog(inputs)
+    return log, [_Watched(x, np.arange(x.size).reshape(x.shape), log, name)
+                 for name, x in inputs.items()]
 
 
 _QKV = ("q", "k", "v")
 
 
-def _library_reads(forward, case: Case, rule=None) -> dict:
-    """Elements of q, k, v the library's ``forward`` reads on ``case`` (with ``rule`` if given)."""
-    counter = tiled.IOCounter(record_events=False)
-    kwargs = dict(case.kwargs or {})
-    if rule is not None:
-        kwargs["rule"] = rule(kwargs.pop("causal"))
-    forward(*case.args, counter=counter, **kwargs)
-    return {name: counter.reads_by.get(name, 0) for name in _QKV}
+def _tiles(rows: np.ndarray, block: int) -> list[int]:
+    return sorted({int(r) // block for r in rows})
 
 
-NO_SKIP = ("the tiles right of the causal diagonal are loaded and computed, then masked away: "
-           "right numbers, wasted work. Skip them before loading anything: a K/V tile whose "
-           "first key k_start comes after the Q tile's last real query row "
-           "min(q_start + BLOCK_M, N_q) - 1 is hidden (exercise 4.2's test)")
+def _span(tile: int, block: int, n: int) -> str:
+    first, last = tile * block, min((tile + 1) * block, n) - 1
+    return f"{first}–{last}" if last > first else f"{first}"
+
+
+def _judge_loads(log: _LoadLog, case: Case, order: str) -> list[str]:
+    """What the learner's loads on ``case`` did that the algorithm does not: [] when nothing.
+
+    ``order`` "fa2": one program per Q tile (the outer loop); it loads its Q tile once and each
+    K/V tile it sees once. "fa1": one K/V tile at a time (the outer loop); each K/V tile that a
+    query sees is loaded once, and each Q tile once per K/V tile it sees. In a causal run no
+    operation may use a K/V tile that no query sees, nor (while the loop is on one tile) a tile
+    hidden from it. Then no element may be loaded more often than the algorithm loads it.
+    """
+    q = case.args[0]
+    n_q, n_k = q.shape[-2], case.args[1].shape[-2]
+    bm, bn = case.kwargs["block_m"], case.kwargs["block_n"]
+    causal = bool(case.kwargs.get("causal"))
+    t_r, t_c = iomodel.num_blocks(n_q, bm), iomodel.num_blocks(n_k, bn)
+    skip = (iomodel.causal_skip_grid(n_q, n_k, bm, bn) if causal
+            else np.zeros((t_r, t_c), dtype=bool))  # (T_r, T_c)
+    seen_by_some = (~skip).any(axis=0)  # (T_c,)
+    q_tile_txt = lambda i: f"Q tile {i} (queries {_span(i, bm, n_q)})"  # noqa: E731
+    kv_tile_txt = lambda j: f"K/V tile {j} (keys {_span(j, bn, n_k)})"  # noqa: E731
+    fix_fa2 = ("stop the K/V loop at the first tile whose first key k_start is after the Q "
+               "tile's last real query min(q_start + BLOCK_M, N_q) - 1, before loading it")
+    fix_fa1 = ("skip a (K/V tile, Q tile) pair whose k_start is after the Q tile's last real "
+               "query min(q_start + BLOCK_M, N_q) - 1, before loading the Q tile")
+    on_tiles = None  # the tiles of the outer loop's input the function used last
+    for touch in log.touches:
+        line = _line_text(touch.where)
+        if touch.name == "q":
+            tiles = _tiles(touch.rows, bm)
+            if order == "fa2":
+                on_tiles = tiles
+                continue
+            if causal and on_tiles is not None and len(on_tiles) == 1:
+                j = on_tiles[0]
+                hidden = [i for i in tiles if skip[i, j]]
+                if hidden:
+                    return [f"  hidden tile used: while your loop was on {kv_tile_txt(j)}, "
+                            f"{line} used rows of q in {q_tile_txt(hidden[0])}, which does not "
+                            f"see that K/V tile (its first key {j * bn} comes after the Q "
+                            f"tile's last query {min((hidden[0] + 1) * bm, n_q) - 1})",
+                            f"  what to change: {fix_fa1}"]
+            continue
+        tiles = _tiles(touch.rows, bn)
+        unseen = [j for j in tiles if not seen_by_some[j]]
+        if causal and unseen:
+            j = unseen[0]
+            how = (f" — it uses the whole of {touch.name}, so it loads every K/V tile, the "
+                   f"hidden ones too; load K/V tiles one at a time, inside the loop"
+                   if touch.whole else "")
+            fix = fix_fa2 if order == "fa2" else (
+                "stop the outer loop once k_start >= N_q: no query sees those keys")
+            return [f"  hidden tile loaded: {line} used {touch.name} in {kv_tile_txt(j)}, "
+                    f"which no query sees (its first key {j * bn} comes after the last query, "
+                    f"N_q - 1 = {n_q - 1}){how}",
+                    *([] if touch.whole else [f"  what to change: {fix}"])]
+        if order == "fa1":
+            on_tiles = tiles
+            continue
+        if causal and on_tiles is not None and len(on_tiles) == 1:
+            i = on_tiles[0]
+            hidden = [j for j in tiles if skip[i, j]]
+            if hidden:
+                j = hidden[0]
+                return [f"  hidden tile loaded: while your loop was on {q_tile_txt(i)} (the "
+                        f"rows of q it used last), {line} used {touch.name} in "
+                        f"{kv_tile_txt(j)}, which that Q tile does not see (its first key "
+                        f"{j * bn} comes after the Q tile's last query "
+                        f"{min((i + 1) * bm, n_q) - 1})",
+                        f"  what to change: {fix_fa2}"]
+    # no hidden tile: now the number of loads of each element
+    sees = (~skip).sum(axis=0)  # (T_c,) Q tiles that see each K/V tile
+    budget = {"fa2": {"q": lambda i: 1, "k": lambda j: sees[j]},
+              "fa1": {"q": lambda i: (~skip[i]).sum(), "k": lambda j: 1}}[order]
+    for name in _QKV:
+        block, n = (bm, n_q) if name == "q" else (bn, n_k)
+        per_row = log.loads_per_row(name)  # (N,)
+        rule = budget["q" if name == "q" else "k"]
+        for t in range(iomodel.num_blocks(n, block)):
+            got = int(per_row[t * block:(t + 1) * block].max())
+            want = int(rule(t))
+            if got <= want:
+                continue
+            tile = q_tile_txt(t) if name == "q" else kv_tile_txt(t)
+            lines = sorted({touch.where for touch in log.touches if touch.name == name
+                            and touch.loaded and t in _tiles(touch.rows, block)},
+                           key=lambda w: (w is None, w))
+            if order == "fa2" and name == "q":
+                need = ("FA2 loads each Q tile once, before its K/V loop (keep it in a "
+                        "variable, or use the same slice, for the whole inner loop)")
+            elif order == "fa2":
+                need = (f"FA2 loads it {want} time{'s' if want != 1 else ''}, once for each "
+                        f"Q tile that sees it")
+                blind = [i for i in range(t_r) if skip[i, t]]
+                if blind:
+                    need += (f"; Q tile{'s' if len(blind) > 1 else ''} "
+                             f"{', '.join(map(str, blind))} do{'es' if len(blind) == 1 else ''} "
+                             f"not see it, so must not load it")
+            elif name == "q":
+                need = (f"FA1 loads it {want} time{'s' if want != 1 else ''}, once for each "
+                        f"K/V tile it sees")
+            else:
+                need = ("FA1 loads each K/V tile once, in its outer loop (keep it in a "
+                        "variable for the whole inner loop)")
+            return [f"  too many loads: the elements of {name} in {tile} were loaded "
+                    f"{got} times; {need}",
+                    f"  loaded at {', '.join(_line_text(w) for w in lines[:3])}"
+                    + (" (a whole-array operation loads all of the array, a new slice whose "
+                       "values are used loads its rows again: see ch04.LOAD_RULES)")]
+    return []
+
+
+NO_SKIP = ("the tiles right of the causal diagonal are loaded, then masked away: right numbers, "
+           "wasted work")
 RAGGED_Q_DROPPED = ("the ragged last Q tile is dropped: only the rows past the last full tile "
-                    "are wrong. Loop over num_blocks(N_q, BLOCK_M) = ceil(N_q / BLOCK_M) tiles "
-                    "and store its `rows` real rows")
-EXTRA_LOADS = ("a tile is loaded more often than the algorithm needs: the FA2 order loads each "
-               "Q tile once and each K/V tile once per Q tile that sees it; the FA1 order each "
-               "K/V tile once and each Q tile once per K/V tile it sees (a K/V tile that no "
-               "query sees is not loaded at all)")
+                    "are wrong, on every case. Loop over num_blocks(N_q, BLOCK_M) = "
+                    "ceil(N_q / BLOCK_M) tiles and store its `rows` real rows")
 
 
-def _row_diagnosis(got, want, case: Case) -> tuple[str, str | None]:
-    """Where the wrong rows are: ``(line, cause)``; cause names a row pattern or is None."""
+def _bad_rows(got, want, n_q: int) -> dict | None:
+    """{"o": (N_q,) bool, "lse": (N_q,) bool}: the query rows wrong in each output (for any
+    leading index); None when ``got`` cannot be compared row by row."""
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        return "", None  # the check's own message says what is wrong with the output
-    block_m = case.kwargs["block_m"]
-    n_q = case.args[0].shape[-2]
+        return None
     atol, rtol = checks.TOLERANCES[str(want[0].dtype)]
-    bad_rows = {}  # output name -> (N_q,) rows wrong in it, for any leading index
+    bad = {}
     for name, g, w in (("o", got[0], want[0]), ("lse", got[1], want[1])):
         try:
             g, w = checks.to_numpy64(g), checks.to_numpy64(w)
         except (TypeError, ValueError):
-            return "", None
+            return None
         if g.shape != w.shape:
-            return "", None
+            return None
         wrong = ~np.isclose(g, w, atol=atol, rtol=rtol) | (np.isnan(g) & ~np.isnan(w))
         if name == "o":
             wrong = wrong.any(axis=-1)
-        bad_rows[name] = wrong.reshape(-1, n_q).any(axis=0)
+        bad[name] = wrong.reshape(-1, n_q).any(axis=0)
+    return bad
+
+
+def _row_diagnosis(got, want, case: Case) -> str:
+    """Where the wrong rows of one case are: first bad query row, its Q tile, how many."""
+    n_q, block_m = case.args[0].shape[-2], case.kwargs["block_m"]
+    bad_rows = _bad_rows(got, want, n_q)
+    if bad_rows is None:
+        return ""  # the check's own message says what is wrong with the output
     bad = bad_rows["o"] | bad_rows["lse"]  # (N_q,)
     if not bad.any():
-        return "", None
+        return ""
     row = int(np.argmax(bad))
     where = " and ".join(name for name, rows in bad_rows.items() if rows[row])
     tile = row // block_m
-    first, last = tile * block_m, min((tile + 1) * block_m, n_q) - 1
-    ragged = n_q % block_m
-    line = (f"  first bad query row: {row} (wrong in {where}), in Q tile {tile} = rows "
-            f"{first}–{last} of N_q={n_q}; {int(bad.sum())} of {n_q} rows are wrong")
-    cause = None
-    if ragged and bad[n_q - ragged:].all() and not bad[: n_q - ragged].any():
-        cause = RAGGED_Q_DROPPED
-    return line, cause
+    return (f"  first bad query row: {row} (wrong in {where}), in Q tile {tile} = rows "
+            f"{_span(tile, block_m, n_q)} of N_q={n_q}; {int(bad.sum())} of {n_q} rows are wrong")
 
 
-def _read_diagnosis(exercise, case, n, n_cases, got, want, no_skip, skip_arrays):
-    """The diagnosis of a right answer that reads more of q, k, v than the library does."""
-    counts = ", ".join(f"{name} {got[name]:,}" for name in _QKV)
-    expected = ", ".join(f"{name} {want[name]:,}" for name in _QKV)
-    lines = [f"✗ {exercise}: right numbers, too much work on case {n} of {n_cases}",
-             f"  inputs: {case.describe()}",
-             f"  elements read by your function: {counts}",
-             f"  the algorithm needs only:        {expected}"]
-    if all(got[name] >= no_skip[name] > want[name] for name in skip_arrays):
-        lines.append(f"  likely cause: {NO_SKIP}")
-    else:
-        lines.append(f"  likely cause: {EXTRA_LOADS}")
-    return lines
+def _only_ragged_rows_wrong(outputs, cases, library) -> bool:
+    """True when, on every case, exactly the rows of the ragged last Q tile are wrong (and the
+    cases without a ragged Q tile are right): the evidence of a dropped last tile."""
+    seen_ragged = False
+    for got, case in zip(outputs, cases):
+        n_q, block_m = case.args[0].shape[-2], case.kwargs["block_m"]
+        bad_rows = _bad_rows(got, library(*case.args, **case.kwargs), n_q)
+        if bad_rows is None:
+            return False
+        bad = bad_rows["o"] | bad_rows["lse"]
+        ragged = n_q % block_m
+        expected = np.zeros(n_q, dtype=bool)
+        if ragged:
+            expected[n_q - ragged:] = True
+            seen_ragged = True
+        if not np.array_equal(bad, expected):
+            return False
+    return seen_ragged
 
 
-def _check_whole_forward(exercise, fn, library, cases, mistakes, skip_arrays):
+def _check_whole_forward(exercise, fn, library, cases, mistakes, order):
     """Check a whole tiled forward ``fn(q, k, v, causal, scale, block_m, block_n) -> (o, lse)``:
-    its numbers on every case, then, on the causal cases, the elements of q, k, v it reads.
-
-    ``skip_arrays`` are the inputs whose reads show a missing causal skip (k, v in the FA2
-    order, q in the FA1 order). One diagnosis, the first problem found; returns ``fn`` on a
-    pass, ``library`` when not done yet.
-    """
-    reads, last = [], {}
+    its numbers on every case, then its loads of q, k, v on every case (:func:`_judge_loads`,
+    in loop order ``order``: "fa2" or "fa1"). Returns ``fn`` on a pass, ``library`` when not
+    done yet."""
+    calls = []  # per call of fn, in order: [load log, output]; call n is case n
     output = checks.CapturedOutput()
 
-    def counted_fn(q, k, v, **kwargs):
-        inputs = [_counted(x) for x in (q, k, v)]
-        try:
-            out = fn(*inputs, **kwargs)
-        except NotImplementedError:
-            last["not_done"] = True
-            raise
-        reads.append({name: x.reads[0] for name, x in zip(_QKV, inputs)})
-        last["out"] = out
+    def watched_fn(q, k, v, **kwargs):
+        log, inputs = _watch(dict(zip(_QKV, (q, k, v))))
+        calls.append([log, None])
+        out = fn(*inputs, **kwargs)
+        if isinstance(out, (tuple, list)):  # hand the check plain arrays, whatever came back
+            out = type(out)(_plain(e, touch=False) for e in out)
+        calls[-1][1] = out
         return out
 
     def reference(q, k, v, **kwargs):
         return library(q, k, v, **kwargs)
 
     try:
-        result = check_function(exercise, counted_fn, reference, cases, fallback=library,
+        result = check_function(exercise, watched_fn, reference, cases, fallback=library,
                                 mistakes=mistakes, quiet=True, output=output)
     except checks.ExerciseFailed as failure:
-        message = str(failure)
-        head = message.split("\n")[0]
-        if "wrong answer on case" not in head or "out" not in last:
+        lines = str(failure).split("\n")
+        head = lines[0]
+        if "wrong answer on case" not in head:
             raise
         n = int(head.split("wrong answer on case ")[1].split()[0])
         case = cases[n - 1]
-        line, cause = _row_diagnosis(last["out"], reference(*case.args, **case.kwargs), case)
-        lines = message.split("\n")
-        at = next((i for i, text in enumerate(lines) if text.startswith("  likely cause:")),
-                  next((i for i, text in enumerate(lines) if text.startswith("  your function "
-                                                                             "printed")),
-                       len(lines)))
-        extra = [line] if line else []
-        if cause and not any(text.startswith("  likely cause:") for text in lines):
-            extra.append(f"  likely cause: {cause}")
-        raise checks.failed_with(exercise, "\n".join(lines[:at] + extra + lines[at:])) from None
-    if last.get("not_done"):  # not done yet (on some case): let the check say so, in its words
+        extra = [_row_diagnosis(calls[n - 1][1], reference(*case.args, **case.kwargs), case)]
+        named = any(text.startswith(("  likely cause:", "  two known mistakes")) for text in lines)
+        outputs = [out for _, out in calls[:len(cases)]]
+        if not named and len(outputs) == len(cases) \
+                and _only_ragged_rows_wrong(outputs, cases, reference):
+            extra.append(f"  likely cause: {RAGGED_Q_DROPPED}")
+        at = next((i for i, text in enumerate(lines)
+                   if text.startswith(("  likely cause:", "  two known mistakes", "  (also wrong",
+                                       "  your function printed"))), len(lines))
+        message = "\n".join(lines[:at] + [e for e in extra if e] + lines[at:])
+        raise checks.failed_with(exercise, message) from None
+    if result is not watched_fn:  # not done yet (on some case): let the check say so
         def not_done(*args, **kwargs):
             raise NotImplementedError(exercise)
         return check_function(exercise, not_done, reference, cases[:1], fallback=library,
                               output=output)
-    for n, (case, got) in enumerate(zip(cases, reads), 1):
-        if not case.kwargs.get("causal"):
-            continue
-        want = _library_reads(library, case)
-        if sum(got.values()) > sum(want.values()):
-            no_skip = _library_reads(library, case, rule=lambda causal: _ExerciseMask(causal))
+    for n, (case, (log, _)) in enumerate(zip(cases, calls), 1):
+        problem = _judge_loads(log, case, order)
+        if problem:
             raise checks.failed_with(exercise, "\n".join(
-                _read_diagnosis(exercise, case, n, len(cases), got, want, no_skip, skip_arrays)
-                + output.excerpt()))
-    checks.passed(exercise, "\n".join([f"✓ {exercise}: passed ({len(cases)} cases; the causal "
-                                       f"ones load no hidden tile).", *output.excerpt()]))
+                [f"✗ {exercise}: right numbers, wrong loads on case {n} of {len(cases)}",
+                 f"  inputs: {case.describe()}", *problem, *output.excerpt()]))
+    checks.passed(exercise, "\n".join([
+        f"✓ {exercise}: passed ({len(cases)} cases; no hidden tile loaded, no tile loaded more "
+        f"often than the algorithm needs).", *output.excerpt()]))
     return fn
 
 
+def _array(rng, lead: tuple, n: int, d: int, layout: str, spread: float, dtype) -> np.ndarray:
+    """A ``lead + (n, d)`` array of ``spread``·N(0, 1) values in one of these memory layouts:
+    "contiguous"; "heads" (allocated (B, n, H, d), handed over as (B, H, n, d): interleaved
+    heads); "columns" (every other column of a (..., n, 2d) array: column stride 2);
+    "transposed" (allocated (..., d, n))."""
+    if layout == "heads":
+        b, h = lead
+        x = np.swapaxes(rng.standard_normal((b, n, h, d)), 1, 2)
+    elif layout == "columns":
+        x = rng.standard_normal(lead + (n, 2 * d))[..., ::2]
+    elif layout == "transposed":
+        x = np.swapaxes(rng.standard_normal(lead + (d, n)), -1, -2)
+    else:
+        x = rng.standard_normal(lead + (n, d))
+    return (spread * x).astype(dtype, copy=False)
+
+
+# (leading dims, N_q, N_k, d, d_v, BLOCK_M, BLOCK_N, causal, scale, spread, dtype, layouts of
+# q, k, v). All ragged and BLOCK_M != BLOCK_N; N_q < N_k and N_q > N_k; d_v != d; an explicit
+# scale; non-contiguous inputs (interleaved heads, column stride 2, transposed), each tensor its
+# own; logits of several hundred (spread 12: scale·q·k has a standard deviation of 144), in
+# float32 too. In the causal cases with N_q < N_k a K/V tile starts between the last query and
+# the end of the last (padded) Q tile, so that the ragged skip bound decides whether it is loaded.
+_CASE_SPECS = {
+    "4.1": [((), 37, 45, 8, 5, 16, 8, False, None, 1.0, np.float64, ("contiguous",) * 3),
+            ((2,), 29, 40, 6, 4, 8, 6, True, 0.3, 1.0, np.float64,
+             ("columns", "transposed", "contiguous")),
+            ((2, 3), 45, 45, 5, 7, 16, 8, True, None, 12.0, np.float64,
+             ("heads", "contiguous", "columns")),
+            ((3,), 50, 23, 6, 3, 12, 8, True, 0.25, 10.0, np.float32,
+             ("contiguous", "columns", "transposed"))],
+    "whole": [((2,), 37, 45, 8, 5, 16, 8, False, None, 1.0, np.float64,
+               ("contiguous", "columns", "transposed")),
+              ((2,), 29, 40, 6, 4, 8, 6, True, 0.3, 1.0, np.float64,
+               ("columns", "transposed", "contiguous")),
+              ((2, 3), 45, 45, 5, 7, 16, 8, True, None, 12.0, np.float64,
+               ("heads", "contiguous", "columns")),
+              ((3,), 50, 23, 6, 3, 12, 8, True, 0.25, 10.0, np.float32,
+               ("contiguous", "columns", "transposed")),
+              ((), 22, 33, 3, 2, 4, 11, True, None, 1.0, np.float64,
+               ("transposed", "contiguous", "columns"))],
+}
+
+
+def _cases(which: str, seed: int) -> list[Case]:
+    rng = np.random.default_rng(seed)
+    cases = []
+    for lead, n_q, n_k, d, d_v, bm, bn, causal, scale, spread, dtype, layouts in _CASE_SPECS[which]:
+        q, k, v = (_array(rng, lead, n, width, layout, spread, dtype)
+                   for n, width, layout in zip((n_q, n_k, n_k), (d, d, d_v), layouts))
+        kwargs = {"causal": causal, "block_m": bm, "block_n": bn}
+        if scale is not None:
+            kwargs["scale"] = scale
+        shown = [name for name, layout in zip(_QKV, layouts) if layout != "contiguous"]
+        cases.append(Case((q, k, v), kwargs, label=(
+            f"{np.dtype(dtype).name}, N_q={n_q}, N_k={n_k}, d={d}, d_v={d_v}, BLOCK_M={bm}, "
+            f"BLOCK_N={bn}, causal={causal}, scale={'1/sqrt(d)' if scale is None else scale}"
+            + (", logits of several hundred" if spread > 1 else "")
+            + (f", non-contiguous {', '.join(shown)}" if shown else ""))))
+    return cases
+
+
 def _whole_cases():
-    """Exercise 4.1's cases (ragged, N_q ≠ N_k, leading dims, causal and not, large scores) and a
-    float32 one with more queries than keys (every row past N_k sees all keys)."""
-    rng = np.random.default_rng(44)
-    q = rng.standard_normal((3, 50, 6)).astype(np.float32)
-    k, v = (rng.standard_normal((3, 23, 6)).astype(np.float32) for _ in range(2))
-    return _forward_cases() + [
-        Case((q, k, v), {"causal": True, "block_m": 12, "block_n": 8},
-             label="float32, N_q=50, N_k=23, d=6, BLOCK_M=12, BLOCK_N=8, causal=True")]
+    """The cases of exercises 4.4 and 4.5 (see _CASE_SPECS)."""
+    return _cases("whole", 44)
 
 
 def _step_state_reset(m_i, l_i, acc, s, v_tile):
@@ -509,6 +942,59 @@ def _sees_next_key_skipping(causal):
 
 _CAUSAL_OFF_BY_ONE = _cause("off by one")
 
+
+class _CausalRuleMistake(tiled.TileRule):
+    """A learner's causal loop with one mistake in its mask or its skip test: ``strict`` hides
+    the diagonal (``k_idx < q_idx``); ``skip_ge`` skips with ``k_start >= last query`` (one tile
+    too many). Every computed tile is masked, as the exercise's loop masks it."""
+
+    def __init__(self, causal: bool, *, strict: bool = False, skip_ge: bool = False):
+        self.causal, self.strict, self.skip_ge = causal, strict, skip_ge
+
+    def visible(self, q_idx, k_idx):
+        if not self.causal:
+            return tiled.DENSE.visible(q_idx, k_idx)
+        return k_idx < q_idx if self.strict else k_idx <= q_idx
+
+    def tile_classes(self, n_q, n_k, block_m, block_n):
+        if not self.causal:
+            return tiled.DENSE.tile_classes(n_q, n_k, block_m, block_n)
+        (_, r1), (c0, _) = tiled.tile_bounds(n_q, n_k, block_m, block_n)
+        skip = (c0 >= r1) if self.skip_ge else (c0 > r1)
+        return np.where(skip, tiled.SKIP, tiled.PARTIAL)
+
+
+def _step_unguarded(m_i, l_i, acc, s, v_tile):
+    """The update as the exercise writes it, with no guard for a row whose scores are all -inf:
+    ``exp(s - m_new)`` is (-inf) - (-inf) = NaN there, and the NaN spreads to l and acc."""
+    with np.errstate(invalid="ignore"):
+        m_new = np.maximum(m_i, s.max(axis=-1))
+        alpha = np.exp(m_i - m_new)
+        p = np.exp(s - m_new[..., None])
+        return m_new, alpha * l_i + p.sum(axis=-1), alpha[..., None] * acc + p @ v_tile
+
+
+def _finish_unguarded(m_i, l_i, acc):
+    """``o = acc / l``, ``lse = m + log l`` with no guard (NaN in, NaN out)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return acc / l_i[..., None], m_i + np.log(l_i)
+
+
+_SKIP_GE = ("the skip test is off by one: `k_start >= last query` skips a tile whose first key "
+            "is exactly the Q tile's last query, which that query must see (use `>`)")
+_DIAGONAL_HIDDEN = ("the causal mask hides the diagonal (`k_idx < q_idx`): query i must see "
+                    "key i too (`k_idx <= q_idx`); query 0 then sees no key, and its row is "
+                    "(-inf) - (-inf) = NaN")
+_DEFAULT_SCALE_1_OVER_D = "the default scale is 1/d instead of 1/sqrt(d)"
+
+
+def _causal_rule_mistake(name, forward=tiled.flash_attention_numpy, **mistake):
+    unguarded = mistake.get("strict", False)
+    return _forward_mistake(name, forward=forward,
+                            rule=lambda causal: _CausalRuleMistake(causal, **mistake),
+                            **({"step": _step_unguarded, "finish": _finish_unguarded}
+                               if unguarded else {}))
+
 WHOLE_FORWARD_MISTAKES = {
     **FORWARD_MISTAKES,
     # with the tile skip of this exercise, the off-by-one mask does not reach the skipped tiles
@@ -522,6 +1008,13 @@ WHOLE_FORWARD_MISTAKES = {
     "BLOCK_M is used where BLOCK_N belongs: the K/V loop runs num_blocks(N_k, BLOCK_N) times, "
     "stepping BLOCK_N keys":
         _kv_tiles_counted_with_block_m,
+    # with the tile skip, masking after the statistics counts only the keys of computed tiles
+    _cause("after the softmax"): _mask_after_softmax(skip=True),
+    _DEFAULT_SCALE_1_OVER_D:
+        _forward_mistake("default_scale_1_over_d",
+                         wrong_scale=lambda d, scale: 1.0 / d if scale is None else scale),
+    _SKIP_GE: _causal_rule_mistake("skip_ge", skip_ge=True),
+    _DIAGONAL_HIDDEN: _causal_rule_mistake("diagonal_hidden", strict=True),
 }
 
 # (cause, name, the parts of the library's FA1 loop swapped for mistaken ones)
@@ -546,6 +1039,18 @@ _FA1_MISTAKE_PARTS = [
 
 FA1_MISTAKES = {cause: _forward_mistake(name, forward=tiled.flash_attention_numpy_fa1, **parts)
                 for cause, name, parts in _FA1_MISTAKE_PARTS}
+FA1_MISTAKES.update({
+    _cause("lse is log(l)"): _forward_mistake("lse_without_max", finish=_finish_lse_without_max,
+                                              forward=tiled.flash_attention_numpy_fa1),
+    _cause("scale argument is ignored"):
+        _forward_mistake("scale_ignored", wrong_scale=lambda d, scale: d ** -0.5,
+                         forward=tiled.flash_attention_numpy_fa1),
+    _DEFAULT_SCALE_1_OVER_D:
+        _forward_mistake("default_scale_1_over_d", forward=tiled.flash_attention_numpy_fa1,
+                         wrong_scale=lambda d, scale: 1.0 / d if scale is None else scale),
+    _SKIP_GE: _causal_rule_mistake("skip_ge", forward=tiled.flash_attention_numpy_fa1,
+                                   skip_ge=True),
+})
 
 
 FA2_HINTS = [
@@ -635,7 +1140,7 @@ def check_flash_forward(fn):
     when not done yet.
     """
     return _check_whole_forward("Exercise 4.4", fn, tiled.flash_attention_numpy, _whole_cases(),
-                                WHOLE_FORWARD_MISTAKES, skip_arrays=("k", "v"))
+                                WHOLE_FORWARD_MISTAKES, order="fa2")
 
 
 @learner_check
@@ -647,4 +1152,4 @@ def check_flash_forward_fa1(fn):
     when not done yet.
     """
     return _check_whole_forward("Exercise 4.5", fn, tiled.flash_attention_numpy_fa1,
-                                _whole_cases(), FA1_MISTAKES, skip_arrays=("q",))
+                                _whole_cases(), FA1_MISTAKES, order="fa1")
