@@ -19,6 +19,8 @@ workspace (:func:`combine_reference`), its mistakes modelled by :func:`merged_ou
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import torch
@@ -222,10 +224,20 @@ def check_kv_head_for(fn):
 
 # 16 is the smallest tile tl.dot accepts: the checks' short caches span several tiles per split.
 SPLIT_CHECK_BLOCK_N = 16
-# Margins of the guarded tensors: a tile's worth of NaN rows after each head's keys (an unmasked
-# tile past the end reads NaN), a few columns after each row (the row stride is not d).
-SPLIT_ROW_MARGIN = SPLIT_CHECK_BLOCK_N
+# Margins of the guarded tensors, per logical dim (B, H, N, d), a different set for each input so
+# that no two share a stride: a tile's worth of NaN rows after each head's keys (for the GPU, where
+# nothing stops an unmasked tile past the end before it reads), and gaps after each row and head.
+SPLIT_ROW_MARGIN = 32
 SPLIT_COL_MARGIN = 8
+SPLIT_INPUT_MARGINS = {"q": (0, 1, 2, 3), "k": (1, 1, SPLIT_ROW_MARGIN, 5),
+                       "v": (0, 2, SPLIT_ROW_MARGIN, SPLIT_COL_MARGIN)}
+# The workspace's margins: m and l (B, H, S, n_q) share theirs (one set of launch strides).
+SPLIT_STATE_MARGIN = (1, 1, 1, 2)
+SPLIT_PART_MARGIN = (1, 1, 1, 2, 4)
+# An empty chunk's state is (m = -inf, l = 0, o = 0). A kernel may start m_i at a very negative
+# finite number instead of -inf (e.g. -1e30): any m at most this, with l = 0, weighs exactly 0
+# in the combine, so it is reported as the empty state too.
+EMPTY_CHUNK_M_AT_MOST = -1e20
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -233,55 +245,66 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def split_states(q, k, v, splits, block_n=SPLIT_CHECK_BLOCK_N, *, kv_head="group", scale=None,
-                 m_units=1.0, bounds="cdiv", tile_mask="split", rescale=True):
+                 m_units=1.0, bounds="cdiv", tile_mask="split", rescale=True, m_init=-math.inf,
+                 batch="own"):
     """float64 model of the split kernel's partial states, tile by tile.
 
     The defaults are the right kernel; each keyword does one thing differently (the mistakes).
+    Probabilities and correction factors are rounded to float32 as the kernel's are, so that a
+    mistake whose exponentials underflow there (a max started at 0 over scores of -500) is
+    modelled faithfully.
 
     Args:
         q: ``(B, H, n_q, d)``; k, v: ``(B, H_kv, N, d)``. splits: S. block_n: key rows per tile.
-        kv_head: "group" (``h // (H // H_kv)``) or "modulo" (``h % H_kv``).
-        scale: score scale (None: ``1/sqrt(d)``). m_units: factor on the stored m.
+        kv_head: "group" (``h // (H // H_kv)``), "modulo" (``h % H_kv``) or "divide"
+            (``h // H_kv``).
+        scale: score scale (None: ``1/sqrt(d)``); the kernel's exponentials use ``scale``
+            throughout. m_units: factor on the stored m.
         bounds: "cdiv" (chunks of ``cdiv(N, S)`` keys) or "floor" (``N // S``: the tail is lost).
         tile_mask: "split" (keys < the chunk's end), "cache" (keys < N: into the next chunk) or
             "scores" (loads masked, scores not: padding keys score 0).
         rescale: whether ``acc`` is rescaled by ``exp(m_old − m_new)``.
+        m_init: the running max before the first tile (-inf; 0 is a mistake).
+        batch: "own" (each batch reads its own q, k, v) or "first" (every batch reads batch 0's:
+            the batch offset is missing).
 
     Returns:
         ``(o, m, l)``: ``o`` ``(B, H, S, n_q, d)`` in q's dtype, ``m``, ``l`` ``(B, H, S, n_q)``
         float32 (m in natural-log units times ``m_units``).
     """
-    batch, heads, n_q, d = q.shape
+    n_batch, heads, n_q, d = q.shape
     n_kv_heads, n = k.shape[1], k.shape[2]
     scale = default_scale(d) if scale is None else scale
     h = torch.arange(heads)
-    kv = h // (heads // n_kv_heads) if kv_head == "group" else h % n_kv_heads
-    k64, v64 = k.double()[:, kv].cpu(), v.double()[:, kv].cpu()  # (B, H, N, d)
-    s_all = scale * q.double().cpu() @ k64.transpose(-1, -2)  # (B, H, n_q, N)
+    kv = {"group": h // (heads // n_kv_heads), "modulo": h % n_kv_heads,
+          "divide": h // n_kv_heads}[kv_head]
+    if (kv >= n_kv_heads).any():
+        raise ValueError("that head map reads past the last K/V head (the check stops it)")
+    q64, k64, v64 = (x.double().cpu() for x in (q, k, v))
+    if batch == "first":
+        q64, k64, v64 = (x[:1].expand(n_batch, *x.shape[1:]) for x in (q64, k64, v64))
+    k64, v64 = k64[:, kv], v64[:, kv]  # (B, H, N, d)
+    s_all = scale * q64 @ k64.transpose(-1, -2)  # (B, H, n_q, N)
     keys_per_split = _cdiv(n, splits) if bounds == "cdiv" else n // splits
     ms, ls, os_ = [], [], []
     for split in range(splits):
         start = split * keys_per_split
         end = min(start + keys_per_split, n)
-        m = torch.full((batch, heads, n_q), -torch.inf, dtype=torch.float64)
+        m = torch.full((n_batch, heads, n_q), m_init, dtype=torch.float64)
         l = torch.zeros_like(m)
-        acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float64)
+        acc = torch.zeros((n_batch, heads, n_q, d), dtype=torch.float64)
         for tile in range(start, end, block_n):
-            cols = torch.arange(tile, tile + block_n)
-            inside = cols < n
-            live = cols < (n if tile_mask == "cache" else end)
-            s = torch.zeros((batch, heads, n_q, block_n), dtype=torch.float64)
-            s[..., inside] = s_all[..., cols[inside]]
-            vt = torch.zeros((batch, heads, block_n, d), dtype=torch.float64)
-            vt[..., inside, :] = v64[..., cols[inside], :]
-            vt[..., ~live, :] = 0
-            if tile_mask == "scores":  # masked loads: padding keys are 0, so their score is 0
-                s[..., ~live] = 0
-            else:
-                s[..., ~live] = -torch.inf
+            inside = min(tile + block_n, n) - tile  # keys of the tile inside the cache
+            live = min(tile + block_n, n if tile_mask == "cache" else end) - tile
+            s = torch.zeros((n_batch, heads, n_q, block_n), dtype=torch.float64)
+            s[..., :inside] = s_all[..., tile:tile + inside]
+            vt = torch.zeros((n_batch, heads, block_n, d), dtype=torch.float64)
+            vt[..., :live, :] = v64[..., tile:tile + live, :]
+            # masked loads: padding keys are 0, so their score is 0; else they are masked out
+            s[..., live:] = 0 if tile_mask == "scores" else -math.inf
             m_new = torch.maximum(m, s.max(dim=-1).values)
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None]).float().double()  # float32, as the kernel's
+            alpha = torch.exp(m - m_new).float().double()
             l = l * alpha + p.sum(dim=-1)
             acc = (acc * alpha[..., None] if rescale else acc) + p @ vt
             m = m_new
@@ -301,19 +324,30 @@ def split_states(q, k, v, splits, block_n=SPLIT_CHECK_BLOCK_N, *, kv_head="group
 EMPTY_CHUNK_M_REPORTED = torch.finfo(torch.float32).min
 
 
-def _report_empty(m: torch.Tensor) -> torch.Tensor:
-    return m.masked_fill(m == -torch.inf, EMPTY_CHUNK_M_REPORTED)
+def _report_empty(m: torch.Tensor, l: torch.Tensor | None = None) -> torch.Tensor:
+    """m with an empty chunk's -inf (or, where ``l`` is 0, any m ≤ EMPTY_CHUNK_M_AT_MOST) as the
+    finite stand-in."""
+    empty = m == -torch.inf
+    if l is not None:
+        empty |= (l == 0) & (m <= EMPTY_CHUNK_M_AT_MOST)
+    return m.masked_fill(empty, EMPTY_CHUNK_M_REPORTED)
 
 
-def _checked_states(q, k, v, splits, **wrong):
+def _checked_states(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N, **wrong):
     """:func:`split_states` as the check compares it (an empty chunk's m reported finite)."""
-    o, m, l = split_states(q, k, v, splits, **wrong)
-    return o, _report_empty(m), l
+    o, m, l = split_states(q, k, v, splits, block_n, scale=scale, **wrong)
+    return o, _report_empty(m, l), l
 
 
 def _state_mistake(**wrong):
-    def mistaken(q, k, v, splits):
-        return _checked_states(q, k, v, splits, **wrong)
+    def mistaken(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N):
+        if "scale" in wrong or "scale_factor" in wrong:  # a scale the kernel made of its own
+            factor = wrong.get("scale_factor", 1.0)
+            given = default_scale(q.shape[-1]) if scale is None else scale
+            kw = {key: val for key, val in wrong.items() if key not in ("scale", "scale_factor")}
+            used = wrong["scale"] if "scale" in wrong else given * factor
+            return _checked_states(q, k, v, splits, used, block_n, **kw)
+        return _checked_states(q, k, v, splits, scale, block_n, **wrong)
     return mistaken
 
 
@@ -321,6 +355,8 @@ SPLIT_KERNEL_MISTAKES = {
     "the K/V head is h % n_kv_heads, which interleaves the groups: GQA groups consecutive query "
     "heads, so query head h reads K/V head h // (n_heads // n_kv_heads)":
         _state_mistake(kv_head="modulo"),
+    "the K/V head is h // n_kv_heads: divide by the group size, h // (n_heads // n_kv_heads) "
+    "(the number of query heads per K/V head)": _state_mistake(kv_head="divide"),
     "acc is not rescaled when the running max grows: multiply acc (like l_i) by "
     "alpha = exp2(m_old - m_new) before adding p @ v": _state_mistake(rescale=False),
     "m is stored in log2 units (the kernel's m_i): the combine merges natural-log states like "
@@ -335,62 +371,158 @@ SPLIT_KERNEL_MISTAKES = {
     "use keys_per_split = tl.cdiv(n_k, SPLITS)": _state_mistake(bounds="floor"),
     "the scores are not scaled: multiply q·kᵀ by qk_scale_log2 (= scale · LOG2_E), not by "
     "LOG2_E alone": _state_mistake(scale=1.0),
+    "the scores are in log2 units (qk_scale_log2) but go through tl.exp, the natural "
+    "exponential: use tl.math.exp2 with log2-unit scores (or tl.exp with scale alone)":
+        _state_mistake(scale_factor=constants.LOG2_E, m_units=constants.LN_2),
+    "the running max starts at 0 instead of -inf (MASK_VALUE): a chunk whose scores are all far "
+    "below 0 then has exp2(s - 0) = 0 for every key, so l = 0 and o = 0 — start m_i at "
+    "MASK_VALUE": _state_mistake(m_init=0.0),
+    "the batch offset is missing: every batch reads batch 0's q, k and v — add b * stride_qb "
+    "(and b * stride_kb, b * stride_vb) to the pointers": _state_mistake(batch="first"),
 }
 
 
 def _split_kernel_cases(device: str) -> list[Case]:
+    """The cases of exercise 8.4 (see the comments for what each one varies)."""
     gen = torch.Generator().manual_seed(8_4)
-    # (B, H, H_kv, n_q, N, d, S, dtype): chunks of 26 keys (a full tile and a ragged one), GQA
-    # in the first case so that every mistake shows there; MQA; more splits than keys; fp16.
-    specs = [(1, 4, 2, 3, 77, 16, 3, torch.float32), (2, 4, 1, 1, 40, 32, 2, torch.float32),
-             (1, 2, 2, 1, 5, 16, 7, torch.float32), (1, 4, 2, 3, 50, 16, 3, torch.float16)]
+
+    def layout(x, order):
+        """``x`` stored in the physical order ``order`` of its dims, seen in its own order."""
+        inverse = [order.index(i) for i in range(len(order))]
+        return x.permute(order).contiguous().permute(inverse)
+
     cases = []
-    for b, h, h_kv, n_q, n, d, splits, dtype in specs:
-        q = torch.randn(b, h, n_q, d, generator=gen)
-        k, v = (torch.randn(b, h_kv, n, d, generator=gen) for _ in range(2))
-        label = (f"B={b}, H={h}, H_kv={h_kv}, n_q={n_q}, N={n}, d={d}, SPLITS={splits}, "
-                 f"BLOCK_N={SPLIT_CHECK_BLOCK_N}, {str(dtype).replace('torch.', '')}; outputs "
+    # 1. GQA, groups of 2; d = 24 (HEAD_DIM 32); ragged chunks of 24, 24, 22 keys, two tiles
+    #    each; an explicit scale; chunk maxima ~ +245, -355, +35 (a bias on one column of k, per
+    #    chunk: a spread of hundreds); q stored (B, n_q, H, d) (interleaved heads), k stored
+    #    (B, N, H_kv, d), v stored (B, H_kv, d, N) (column stride ≠ 1). float16: scores of
+    #    hundreds carry a float32 rounding error of ~|s|·2⁻²⁴ each, which exp turns into errors of
+    #    ~3e-5 in o, beyond float32's tolerance but far inside float16's.
+    q = torch.randn(1, 4, 3, 24, generator=gen)
+    k, v = (torch.randn(1, 2, 70, 24, generator=gen) for _ in range(2))
+    q[..., 0] = 12.0
+    k[..., 0] = torch.tensor([40.0] * 24 + [-60.0] * 24 + [5.0] * 22)
+    cases.append(((layout(q, (0, 2, 1, 3)), layout(k, (0, 2, 1, 3)), layout(v, (0, 1, 3, 2))),
+                  3, 0.5, SPLIT_CHECK_BLOCK_N, "float16",
+                  "GQA 4 query heads / 2 K/V heads, chunk maxima ~ +245, -355, +35; q stored "
+                  "(B, n_q, H, d), k (B, N, H_kv, d), v (B, H_kv, d, N)"))
+    # 2. two batches, no grouping (H = H_kv); 5 keys in 4 splits of cdiv(5, 4) = 2: the last
+    #    chunk is empty; BLOCK_N = 32 ≠ BLOCK_M = 16; a scale larger than 1/√d; k stored
+    #    (B, H_kv, d, N), v (B, N, H_kv, d).
+    q = torch.randn(2, 2, 1, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 5, 16, generator=gen) for _ in range(2))
+    cases.append(((q, layout(k, (0, 1, 3, 2)), layout(v, (0, 2, 1, 3))), 4, 1.3, 32, "float32",
+                  "B=2, H = H_kv = 2, 5 keys in 4 splits (the last chunk is empty); k stored "
+                  "(B, H_kv, d, N), v (B, N, H_kv, d)"))
+    # 3. MQA: 4 query heads read one K/V head (a group of 4); two chunks of 20 keys, two tiles
+    #    each; float32; the default scale.
+    q = torch.randn(1, 4, 2, 32, generator=gen)
+    k, v = (torch.randn(1, 1, 40, 32, generator=gen) for _ in range(2))
+    cases.append(((q, k, v), 2, None, SPLIT_CHECK_BLOCK_N, "float32",
+                  "MQA 4 query heads / 1 K/V head"))
+    out = []
+    for (q, k, v), splits, scale, block_n, dtype, what in cases:
+        dt = getattr(torch, dtype)
+        q, k, v = (x.to(device=device, dtype=dt) for x in (q, k, v))
+        batch, heads, n_q, d = q.shape
+        shown = "1/√d" if scale is None else f"{scale:g}"
+        label = (f"{what}: B={batch}, H={heads}, H_kv={k.shape[1]}, n_q={n_q}, N={k.shape[2]}, "
+                 f"d={d}, SPLITS={splits}, scale={shown}, BLOCK_N={block_n}, {dtype}; outputs "
                  f"(o, m, l) indexed [b, h, split, row(, col)]")
-        cases.append(Case(tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)),
-                          {"splits": splits}, label=label))
-    return cases
+        out.append(Case((q, k, v), {"splits": splits, "scale": scale, "block_n": block_n},
+                        label=label))
+    return out
 
 
-def split_kernel_runner(kernel, splits: int):
-    """A guarded run of a split kernel: ``run(q, k, v) -> (o in q's dtype, m, l)``."""
+def _physical(x: torch.Tensor):
+    """``(x in its storage order, contiguous; the order)``: the order of x's dims from the
+    largest stride to the smallest, so that ``physical.permute(inverse)`` is x's layout again."""
+    order = sorted(range(x.ndim), key=lambda i: (-x.stride(i), i))
+    return x.permute(order).contiguous(), order
+
+
+def _first_nonfinite(outputs, names, n_keys: int | None = None) -> str:
+    """'3 non-finite value(s) in o; the first, o[0, 1, 3, 0, 0], is NaN' (and, given the cache
+    length, whether that split's chunk holds no keys), for the first non-finite element."""
+    for name, x in zip(names, outputs):
+        bad = torch.nonzero(~torch.isfinite(x))
+        if len(bad):
+            index = tuple(int(i) for i in bad[0])
+            kind = "NaN" if torch.isnan(x[index]) else "inf"
+            text = (f"{int((~torch.isfinite(x)).sum())} non-finite value(s) in {name}; the first, "
+                    f"{name}{list(index)}, is {kind}")
+            if n_keys is not None and x.ndim >= 4:
+                split, splits = index[2], x.shape[2]
+                if split * _cdiv(n_keys, splits) >= n_keys:
+                    text += (f" — split {split} is an empty chunk ({n_keys} keys in {splits} "
+                             f"splits of {_cdiv(n_keys, splits)}: it holds none, so its l is 0)")
+            return text
+    return "a non-finite value"
+
+
+def split_kernel_runner(kernel, splits: int, scale=None, block_n: int = SPLIT_CHECK_BLOCK_N):
+    """A guarded run of a split kernel: ``run(q, k, v) -> (o in q's dtype, m, l)``.
+
+    q, k, v may have any strides: each is handed to the guarded run in its storage order (with
+    margins of its own) and to the kernel as a view in its logical order, so a kernel that
+    assumes a layout (unit column stride, contiguous heads) reads the wrong elements.
+    """
     from course_lib import kernel_checks
     from course_lib.kernels.decoding import launch_split_kv
 
-    margin = (0, 0, SPLIT_ROW_MARGIN, SPLIT_COL_MARGIN)
-
     def state_shape(q, k, v):
-        return (q.shape[0], q.shape[1], splits, q.shape[2]), torch.float32
+        return (shape[0][0], shape[0][1], splits, shape[0][2]), torch.float32
 
     def part_shape(q, k, v):
-        return (q.shape[0], q.shape[1], splits, q.shape[2], q.shape[3]), torch.float32
+        return (shape[0][0], shape[0][1], splits, shape[0][2], shape[0][3]), torch.float32
+
+    shape, orders = [], []
+
+    def logical(x, order):
+        return x.permute([order.index(i) for i in range(len(order))])
 
     def launch(q, k, v, m, l, o):
-        launch_split_kv(kernel, q, k, v, m, l, o, default_scale(q.shape[-1]), SPLIT_CHECK_BLOCK_N)
-        m.copy_(_report_empty(m))
+        q, k, v = (logical(x, order) for x, order in zip((q, k, v), orders))
+        used = default_scale(q.shape[-1]) if scale is None else scale
+        launch_split_kv(kernel, q, k, v, m, l, o, used, block_n)
+        m.copy_(_report_empty(m, l))
 
-    guarded = kernel_checks.GuardedRun(
-        launch=launch,
-        margins=(margin, margin, margin),
-        # m and l share their strides (one launch argument set): the same margin for both
-        outputs=(kernel_checks.Output("m", (1, 0, 0, 0), state_shape),
-                 kernel_checks.Output("l", (1, 0, 0, 0), state_shape),
-                 kernel_checks.Output("o", (1, 0, 0, 0, 0), part_shape)),
-        store_hint="mask the stores with offs_m < n_q (the padded query rows) and, for o, the "
-                   "real head-dim columns",
-        coverage_hint="each program stores its whole state — m, l and o of its (b, h, split) "
-                      "rows, an empty chunk too (m = -inf, l = 0, o = 0) — at "
-                      "b * stride_mb + h * stride_mh + split * stride_ms + offs_m * stride_mm",
-        load_hint="a tile reads keys past the end of the cache: the last tile of a chunk is "
-                  "ragged — load K and V with the mask keys < split_end (tiles.load_tile_at "
-                  "does it) and set the scores of those keys to MASK_VALUE")
+    def explain_nonfinite(inputs, outputs):
+        q, k, v = (logical(x, order) for x, order in zip(inputs, orders))
+        names = ("o", "m", "l")
+        got = (outputs[2].to(q.dtype), outputs[0], outputs[1])
+        atol, rtol = checks.TOLERANCES[str(q.dtype).replace("torch.", "")]
+        found = [cause for cause, wrong in SPLIT_KERNEL_MISTAKES.items()
+                 if checks.compare(got, wrong(q, k, v, splits, scale, block_n), atol, rtol,
+                                   equal_nan=True) is None]
+        if len(found) == 1:
+            return found[0]
+        raise kernel_checks.KernelProblem(
+            f"your kernel returns NaN or inf although every input is finite: "
+            f"{_first_nonfinite(got, names, k.shape[2])} (index [b, h, split, row(, col)])")
 
     def run(q, k, v):
-        m, l, o = guarded(q, k, v)
+        physical = [_physical(x) for x in (q, k, v)]
+        orders[:] = [order for _, order in physical]
+        shape[:] = [tuple(q.shape)]
+        margins = [tuple(SPLIT_INPUT_MARGINS[name][i] for i in order)
+                   for name, (_, order) in zip("qkv", physical)]
+        guarded = kernel_checks.GuardedRun(
+            launch=launch, margins=margins,
+            # m and l share their strides (one launch argument set): the same margin for both
+            outputs=(kernel_checks.Output("m", SPLIT_STATE_MARGIN, state_shape),
+                     kernel_checks.Output("l", SPLIT_STATE_MARGIN, state_shape),
+                     kernel_checks.Output("o", SPLIT_PART_MARGIN, part_shape)),
+            store_hint="mask the stores with offs_m < n_q (the padded query rows) and, for o, "
+                       "the real head-dim columns",
+            coverage_hint="each program stores its whole state — m, l and o of its (b, h, split) "
+                          "rows, an empty chunk too (m = -inf, l = 0, o = 0) — at b * stride_mb "
+                          "+ h * stride_mh + split * stride_ms + offs_m * stride_mm",
+            load_hint="a tile reads keys past the end of the cache: the last tile of a chunk is "
+                      "ragged — load K and V with the mask keys < split_end (tiles.load_tile_at "
+                      "does it) and set the scores of those keys to MASK_VALUE",
+            explain_nonfinite=explain_nonfinite)
+        m, l, o = guarded(*(x for x, _ in physical))
         return o.to(q.dtype), m, l
     return run
 
@@ -403,8 +535,8 @@ def check_split_kv_kernel(kernel):
     from course_lib import kernel_checks
     from course_lib.kernels import decoding as kernels_decoding
 
-    def run(q, k, v, splits):
-        return split_kernel_runner(kernel, splits)(q, k, v)
+    def run(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N):
+        return split_kernel_runner(kernel, splits, scale, block_n)(q, k, v)
 
     return kernel_checks.check_kernel("Exercise 8.4", kernel, run, _checked_states,
                                       _split_kernel_cases(runtime.current().device),
