@@ -27,6 +27,7 @@ from course_lib.checks import learner_check
 from course_lib import checks, runtime
 from course_lib.checks import TOLERANCES, Case, ExerciseFailed, describe_value
 from course_lib import kernel_checks
+from course_lib.exercises import ch05
 from course_lib.reference import default_scale, naive_attention_torch
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -51,14 +52,23 @@ def reference(q, k, v, causal: bool = False, scale: float | None = None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Guarded runs of the learner's pieces
+# Guarded runs of the learner's pieces, each tensor in its own layout
 
-
-# Margins around each (BH, N, d) tensor: a tile's worth of rows after every head (so a missing
-# row mask reads NaN instead of the next head's data) and a few columns after every row (so the
-# row stride differs from d and a kernel that assumes stride = d shows).
+# The teaching kernel reads columns at stride 1 (its contract), so the layouts vary everything
+# else: heads interleaved with rows (a (N, BH, d) buffer seen as (BH, N, d)), gaps between rows
+# of different widths per tensor, room past the end.
 ROW_MARGIN = CHECK_BLOCK
 COL_MARGIN = 8
+HEADS_INTERLEAVED = ch05.Layout((1, 0, 2), (0, 1, COL_MARGIN))
+ROWS_WITH_GAPS = ch05.Layout((0, 1, 2), (0, ROW_MARGIN, 3))
+SPARE_HEAD = ch05.Layout((0, 1, 2), (1, 0, 5))
+LSE_LAYOUT = ch05.Layout((0, 1), (1, 0))  # LSE is contiguous (the kernel's contract)
+# (q, k, v, o, lse): every tensor with its own strides
+PIECES_LAYOUTS = (HEADS_INTERLEAVED, ROWS_WITH_GAPS, SPARE_HEAD, ROWS_WITH_GAPS, LSE_LAYOUT)
+PIECES_LAYOUTS_2 = (ROWS_WITH_GAPS, HEADS_INTERLEAVED, ROWS_WITH_GAPS, SPARE_HEAD, LSE_LAYOUT)
+# Scores scaled by this are hundreds (|q·k| ~ 4 for d = 16, times 150, times scale 0.25 or so):
+# exp() of them overflows unless the running max is subtracted.
+LARGE_LOGITS = 150.0
 
 
 def _launch_3d(pieces: Pieces, q, k, v, o, lse, causal: bool, scale: float,
@@ -68,33 +78,43 @@ def _launch_3d(pieces: Pieces, q, k, v, o, lse, causal: bool, scale: float,
                    block_m, block_n)
 
 
-def runner(pieces: Pieces, causal: bool, scale: float | None = None,
-           blocks: tuple[int, int] = (CHECK_BLOCK, CHECK_BLOCK), **hints) -> kernel_checks.GuardedRun:
-    """A guarded run of the kernel with ``pieces`` on (BH, N, d) tensors."""
-    margin = (0, ROW_MARGIN, COL_MARGIN)
+def _q_tile_of(index, block_m=CHECK_BLOCK, **_) -> str:
+    head, row = index[0], index[1]
+    return (f"row {row} of head {head} belongs to Q tile {row // block_m} (rows "
+            f"{row // block_m * block_m}–{row // block_m * block_m + block_m - 1}, BLOCK_M={block_m})")
 
-    def launch(q, k, v, o, lse):
-        s = default_scale(q.shape[-1]) if scale is None else scale
-        _launch_3d(pieces, q, k, v, o, lse, causal, s, *blocks)
 
-    return kernel_checks.GuardedRun(
-        launch=launch, margins=(margin, margin, margin),
-        outputs=(kernel_checks.Output("o", margin),
-                 kernel_checks.Output("lse", (1, 0),  # a head's worth of room past the end
-                             lambda q, k, v: (tuple(q.shape[:2]), torch.float32))),
-        **hints)
+def runner(pieces: Pieces) -> ch05.LayoutRun:
+    """A guarded run of the teaching kernel with ``pieces``: ``run(q, k, v, causal=, scale=,
+    block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d) tensors."""
+    return ch05.LayoutRun(
+        launch=lambda q, k, v, o, lse, causal, scale, block_m, block_n: _launch_3d(
+            pieces, q, k, v, o, lse, causal, scale, block_m, block_n),
+        names=("q", "k", "v"),
+        outputs=(ch05.Out("o", lambda q, k, v, **_: (tuple(q.shape), q.dtype), _q_tile_of),
+                 ch05.Out("lse", lambda q, k, v, **_: (tuple(q.shape[:2]), torch.float32),
+                          _q_tile_of)))
+
+
+def _pieces_reference(q, k, v, causal=False, scale=None, **_):
+    return reference(q, k, v, causal, scale)
 
 
 def _cases(device, specs, seed):
-    """Cases from (bh, n_q, n_k, d, dtype, causal) specs; inputs are (BH, N, d)."""
+    """Cases from (bh, n_q, n_k, d, dtype, causal, scale, (block_m, block_n), logit factor,
+    layouts) specs; inputs are (BH, N, d)."""
     gen = torch.Generator().manual_seed(seed)
     cases = []
-    for bh, n_q, n_k, d, dtype, causal in specs:
-        q, k, v = (torch.randn(bh, n, d, generator=gen).to(device=device, dtype=dtype)
-                   for n in (n_q, n_k, n_k))
-        label = (f"{'causal' if causal else 'non-causal'}, N_q={n_q}, N_k={n_k}, d={d}, "
-                 f"{str(dtype).replace('torch.', '')}, BLOCK_M=BLOCK_N={CHECK_BLOCK}")
-        cases.append(Case((q, k, v), {"causal": causal}, label=label))
+    for bh, n_q, n_k, d, dtype, causal, scale, (bm, bn), factor, layouts in specs:
+        q, k, v = (torch.randn(bh, n, d, generator=gen) for n in (n_q, n_k, n_k))
+        q = (q * factor).to(device=device, dtype=dtype)
+        k, v = (x.to(device=device, dtype=dtype) for x in (k, v))
+        scale = default_scale(d) if scale is None else scale
+        label = (f"{'causal' if causal else 'non-causal'}, BH={bh}, N_q={n_q}, N_k={n_k}, d={d}, "
+                 f"{str(dtype).replace('torch.', '')}, scale={scale:.3g}, BLOCK_M={bm}, "
+                 f"BLOCK_N={bn}" + (f", scores ×{factor:g}" if factor != 1 else ""))
+        cases.append(ch05.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
+                                                 "block_n": bn, "layouts": layouts}, label=label))
     return cases
 
 
@@ -103,37 +123,30 @@ def _case_dtypes():
     return (torch.float32, torch.float16) if _rt.interpreted else (torch.float16, torch.bfloat16)
 
 
-def _check(exercise, answer, fallback, make_pieces, specs, seed, mistakes, **hints):
-    """Run ``check_kernel`` with the learner's pieces in place; mistakes replay wrong pieces."""
+def _specs(*rows):
+    """Spec rows (bh, n_q, n_k, d, which dtype (0/1), causal, scale, blocks, factor, layouts)."""
+    return tuple((bh, n_q, n_k, d, _case_dtypes()[i], causal, scale, blocks, factor, layouts)
+                 for bh, n_q, n_k, d, i, causal, scale, blocks, factor, layouts in rows)
+
+
+def _replay_pieces(make_pieces, wrong):
+    """The teaching kernel with known-wrong pieces, run as the case says (same scale, blocks and
+    layouts as the learner's run, so that it computes exactly what that mistake computes)."""
+    def mistaken(q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK,
+                 layouts=None):
+        run = runner(make_pieces(*wrong))
+        return ch05._quietly(run, q, k, v, causal=causal, scale=scale, block_m=block_m,
+                             block_n=block_n, layouts=layouts)
+    return mistaken
+
+
+def _check(exercise, answer, fallback, make_pieces, specs, seed, mistakes):
+    """Check the learner's pieces in the teaching kernel; mistakes replay known-wrong pieces."""
     learner = make_pieces(*answer)
-
-    def replay(wrong):
-        def mistaken(q, k, v, causal):
-            o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            with warnings.catch_warnings():  # NumPy's overflow warnings from the interpreter
-                warnings.simplefilter("ignore", RuntimeWarning)
-                _launch_3d(make_pieces(*wrong), q, k, v, o, lse, causal,
-                           default_scale(q.shape[-1]), CHECK_BLOCK, CHECK_BLOCK)
-            return o, lse
-        return mistaken
-
-    def run(q, k, v, causal):
-        def explain_nonfinite(inputs, outputs):
-            """The known mistake whose NaN/inf pattern and values the learner's output repeats."""
-            atol, rtol = TOLERANCES[str(q.dtype).replace("torch.", "")]
-            for cause, wrong in mistakes.items():
-                expected = replay(wrong)(*inputs, causal)
-                if all(torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol, equal_nan=True)
-                       for g, w in zip(outputs, expected)):
-                    return cause
-            return None
-
-        return runner(learner, causal, explain_nonfinite=explain_nonfinite, **hints)(q, k, v)
-
-    return kernel_checks.check_kernel(
-        exercise, answer, run, reference, _cases(_rt.device, specs, seed), fallback=fallback,
-        mistakes={cause: replay(wrong) for cause, wrong in mistakes.items()})
+    return ch05.check_layout_kernel(
+        exercise, answer, runner(learner), _pieces_reference, _cases(_rt.device, specs, seed),
+        fallback=fallback, names=("q", "k", "v", "o", "lse"),
+        mistakes={cause: _replay_pieces(make_pieces, wrong) for cause, wrong in mistakes.items()})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,11 +219,13 @@ UPDATE_MISTAKES = {
 
 # Non-causal and N a multiple of the block first (the plain loop), then a causal and a ragged
 # case, whose -inf scores the update must survive; leading dims of 2 and 3 heads.
-ONLINE_SOFTMAX_SPECS = tuple(
-    spec for dtype in _case_dtypes() for spec in (
-        (2, 64, 64, 16, dtype, False),
-        (3, 32, 48, 32, dtype, False),
-    )) + ((2, 48, 48, 16, _case_dtypes()[0], True), (1, 37, 53, 16, _case_dtypes()[0], False))
+ONLINE_SOFTMAX_SPECS = _specs(
+    (2, 40, 40, 16, 0, False, None, (16, 16), 1, PIECES_LAYOUTS),
+    (1, 37, 53, 32, 0, False, 0.3, (16, 32), 1, PIECES_LAYOUTS_2),
+    (2, 33, 33, 16, 0, True, None, (32, 16), 1, PIECES_LAYOUTS),
+    (1, 30, 40, 16, 0, False, 0.2, (16, 16), LARGE_LOGITS, PIECES_LAYOUTS_2),  # exp overflows without the max
+    (2, 29, 40, 16, 1, True, None, (16, 16), 1, PIECES_LAYOUTS),
+)
 
 
 def _natural(update, finish):
@@ -253,12 +268,13 @@ RAGGED_MISTAKES = {
         (load_tile, _mask_ragged_off_by_one),
 }
 
-RAGGED_SPECS = tuple(
-    spec for dtype in _case_dtypes() for spec in (
-        (2, 37, 37, 16, dtype, False),
-        (1, 53, 21, 32, dtype, False),
-        (3, 9, 70, 16, dtype, False),
-    ))
+RAGGED_SPECS = _specs(
+    (2, 37, 37, 16, 0, False, None, (16, 16), 1, PIECES_LAYOUTS),
+    (1, 45, 21, 32, 0, False, 0.3, (32, 16), 1, PIECES_LAYOUTS_2),
+    (3, 9, 70, 16, 0, False, None, (16, 32), 1, PIECES_LAYOUTS),
+    (1, 30, 45, 16, 0, False, 0.2, (16, 16), LARGE_LOGITS, PIECES_LAYOUTS_2),
+    (1, 37, 21, 16, 1, False, None, (16, 32), 1, PIECES_LAYOUTS_2),
+)
 
 
 def _ragged(load, mask):
@@ -268,13 +284,8 @@ def _ragged(load, mask):
 @learner_check
 def check_ragged(load, mask):
     """Check exercise 6.2; return (load_tile, mask_ragged) or, not done yet, the library's."""
-    return _check(
-        "Exercise 6.2", (load, mask), (load_tile, mask_ragged), _ragged, RAGGED_SPECS, 6_2,
-        RAGGED_MISTAKES,
-        load_hint="load_tile reads outside the tensor: mask rows >= n_rows "
-                  "(mask=offs_rows[:, None] < n_rows, other=0.0) and step rows by stride_row "
-                  "(rows are stride_row elements apart, not HEAD_DIM)",
-        coverage_hint="some output rows were never written")
+    return _check("Exercise 6.2", (load, mask), (load_tile, mask_ragged), _ragged, RAGGED_SPECS,
+                  6_2, RAGGED_MISTAKES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,12 +325,14 @@ CAUSAL_MISTAKES = {
         (mask_causal, _kv_loop_end_stops_at_diagonal),
 }
 
-CAUSAL_SPECS = tuple(
-    spec for dtype in _case_dtypes() for spec in (
-        (2, 50, 50, 16, dtype, True),
-        (1, 70, 45, 16, dtype, True),   # more queries than keys: late rows see every key
-        (2, 30, 64, 32, dtype, True),   # more keys than queries: late keys are never seen
-    )) + ((1, 40, 40, 16, _case_dtypes()[0], False),)  # non-causal calls must visit every tile
+CAUSAL_SPECS = _specs(
+    (2, 40, 40, 16, 0, True, None, (16, 16), 1, PIECES_LAYOUTS),
+    (1, 70, 45, 16, 0, True, 0.3, (32, 16), 1, PIECES_LAYOUTS_2),   # more queries than keys: late rows see every key
+    (2, 30, 64, 32, 0, True, None, (16, 32), 1, PIECES_LAYOUTS),  # more keys than queries: late keys are never seen
+    (1, 35, 35, 16, 0, True, 0.2, (16, 16), LARGE_LOGITS, PIECES_LAYOUTS_2),
+    (1, 40, 40, 16, 0, False, None, (16, 16), 1, PIECES_LAYOUTS),  # non-causal calls must visit every tile
+    (1, 50, 50, 16, 1, True, None, (16, 32), 1, PIECES_LAYOUTS_2),
+)
 
 
 @triton.jit
@@ -351,20 +364,20 @@ def check_causal(mask, end):
     Beyond the outputs, counts the K/V tiles each Q tile visits: a loop that reaches tiles
     right of the diagonal (all -inf for every row of the Q tile) gives right answers slowly.
     """
-    for _, n_q, n_k, _, _, causal in CAUSAL_SPECS:
+    for _, n_q, n_k, _, _, causal, _, (bm, bn), _, _ in CAUSAL_SPECS:
         try:
-            got = visited_tiles(end, n_q, n_k, causal)
+            got = visited_tiles(end, n_q, n_k, causal, bm, bn)
         except Exception:  # noqa: BLE001 - a stub or a broken kv_loop_end: the check below says
             break
-        want = visited_tiles(kv_loop_end, n_q, n_k, causal)
+        want = visited_tiles(kv_loop_end, n_q, n_k, causal, bm, bn)
         for tile, (g, w) in enumerate(zip(got, want)):
             if g > w:
-                raise ExerciseFailed(
+                raise checks.failed_with("Exercise 6.3", (
                     f"✗ Exercise 6.3: the Q tile starting at row "
-                    f"{tile * CHECK_BLOCK} visits {g} K/V tiles where {w} suffice "
-                    f"({'causal' if causal else 'non-causal'}, N_q={n_q}, N_k={n_k}) — tiles "
-                    f"right of the diagonal are fully masked: for causal, stop the loop at "
-                    f"min(n_k, start_m + BLOCK_M)")
+                    f"{tile * bm} visits {g} K/V tiles where {w} suffice "
+                    f"({'causal' if causal else 'non-causal'}, N_q={n_q}, N_k={n_k}, "
+                    f"BLOCK_M={bm}, BLOCK_N={bn}) — tiles right of the diagonal are fully "
+                    f"masked: for causal, stop the loop at min(n_k, start_m + BLOCK_M)"))
     return _check("Exercise 6.3", (mask, end), (mask_causal, kv_loop_end), _causal,
                   CAUSAL_SPECS, 6_3, CAUSAL_MISTAKES)
 
@@ -414,11 +427,13 @@ EXP2_MISTAKES = {
         update_tile_exp2, _finish_exp2_lse_times_log2e),
 }
 
-EXP2_SPECS = tuple(
-    spec for dtype in _case_dtypes() for spec in (
-        (2, 64, 64, 16, dtype, False),
-        (2, 45, 30, 32, dtype, True),
-    )) + ((1, 37, 53, 16, _case_dtypes()[0], False),)
+EXP2_SPECS = _specs(
+    (2, 40, 40, 16, 0, False, None, (16, 16), 1, PIECES_LAYOUTS),
+    (1, 45, 30, 32, 0, True, 0.3, (32, 16), 1, PIECES_LAYOUTS_2),
+    (1, 37, 53, 16, 0, False, None, (16, 32), 1, PIECES_LAYOUTS),
+    (1, 30, 40, 16, 0, False, 0.2, (16, 16), LARGE_LOGITS, PIECES_LAYOUTS_2),
+    (1, 45, 30, 32, 1, True, None, (16, 16), 1, PIECES_LAYOUTS),
+)
 
 
 def _exp2(update, finish):
