@@ -268,9 +268,14 @@ def learner_answer(source: str, edits=(), label: str = "answer"):
     return next(value for name, value in namespace.items() if name.startswith("flash_forward"))
 
 
-def cause(words: str) -> str:
-    """The known cause (of exercise 4.4's or 4.5's mistake models) that contains ``words``."""
-    return next(c for c in {**ch04.WHOLE_FORWARD_MISTAKES, **ch04.FA1_MISTAKES} if words in c)
+def cause(words: str, mistakes=ch04.WHOLE_FORWARD_MISTAKES) -> str:
+    """The known cause (of exercise 4.4's mistake models, or of ``mistakes``) with ``words``."""
+    return next(c for c in mistakes if words in c)
+
+
+def cause1(words: str) -> str:
+    """The known cause of exercise 4.5's mistake models that contains ``words``."""
+    return cause(words, ch04.FA1_MISTAKES)
 
 
 NO_CAUSE = None  # the diagnosis must name no cause
@@ -292,7 +297,7 @@ FA2_WRONG = [
     ("lse without the max", [("m + np.log(l)", "np.log(l)")], cause("lse is log(l)")),
     ("no final division", [("acc / l[..., None]", "acc")], cause("final division")),
     ("scale argument ignored", [("* scale\n", "/ np.sqrt(d)\n")],
-     cause("scale argument is ignored")),
+     cause("always scaled by 1/sqrt(d)")),
     ("default scale 1/d", [("1.0 / np.sqrt(d)", "1.0 / d")], ch04._DEFAULT_SCALE_1_OVER_D),
     ("state reset per K/V tile",
      [("        m = np.full(qi.shape[:-1], -np.inf)\n        l = np.zeros(qi.shape[:-1])\n"
@@ -324,17 +329,17 @@ FA1_WRONG = [
      LOADS),
     ("skip test >=", [("j > stop - 1", "j >= stop - 1")], ch04._SKIP_GE),
     ("o not rescaled on reload", [("((np.exp(m_old - m_new) * l_old)[..., None] * o_old", "(l_old[..., None] * o_old")],
-     cause("l_old·o_old is not rescaled")),
+     cause1("l_old·o_old is not rescaled")),
     ("o reloaded as if unnormalised", [("((np.exp(m_old - m_new) * l_old)[..., None] * o_old", "(np.exp(m_old - m_new)[..., None] * o_old")],
-     cause("not un-normalised on reload")),
+     cause1("not un-normalised on reload")),
     ("l not rescaled", [("l_new = np.exp(m_old - m_new) * l_old + P.sum(-1)", "l_new = l_old + P.sum(-1)")],
-     cause("running sum l is not rescaled")),
+     cause1("running sum l is not rescaled")),
     ("state not read back", [("m_old, l_old, o_old = M[..., i:stop], L[..., i:stop], O[..., i:stop, :]",
                               "m_old, l_old, o_old = np.full(Qi.shape[:-1], -np.inf), np.zeros(Qi.shape[:-1]), 0.0")],
-     cause("state is not read back")),
-    ("lse without the max", [("(M + np.log(L))", "np.log(L)")], cause("lse is log(l)")),
+     cause1("state is not read back")),
+    ("lse without the max", [("(M + np.log(L))", "np.log(L)")], cause1("lse is log(l)")),
     ("scale argument ignored", [("scale = d ** -0.5 if scale is None else scale", "scale = d ** -0.5")],
-     cause("scale argument is ignored")),
+     cause1("always scaled by 1/sqrt(d)")),
     ("float64 results", [("return O.astype(q.dtype), (M + np.log(L)).astype(q.dtype)", "return O, M + np.log(L)")],
      NO_CAUSE),
     ("mask hides the diagonal", [("<= np.arange(i, stop)", "< np.arange(i, stop)")], NO_CAUSE),
@@ -619,3 +624,105 @@ def test_a_used_slice_holds_its_values_and_a_copy_is_not_reloaded():
     tiled.load_tile(y, 0, 4)         # ... and tiles of the learner's copy: not loads of x
     assert loads(log) == 120
     assert [t.kind for t in log.touches][-1] == "copy"
+
+
+# ---- learner-written wrong answers for exercises 4.1 and 4.2 ---------------------------------
+
+# Exercise 4.1: the notebook's loop with a learner's inner part (steps 1-4 and the epilogue)
+LEARNER_41 = '''\
+def flash_forward(q, k, v, causal=False, scale=None, block_m=32, block_n=16):
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    lead = q.shape[:-2]
+    o = np.empty(lead + (n_q, v.shape[-1]), dtype=q.dtype)
+    lse = np.empty(lead + (n_q,), dtype=q.dtype)
+    for i in range(iomodel.num_blocks(n_q, block_m)):
+        q_start, rows = i * block_m, iomodel.block_rows(i, n_q, block_m)
+        q_tile = tiled.load_tile(q, q_start, block_m)
+        q_idx = q_start + np.arange(block_m)[:, None]
+        m_i = np.full(lead + (block_m,), -np.inf)
+        l_i = np.zeros(lead + (block_m,))
+        acc = np.zeros(lead + (block_m, v.shape[-1]))
+        for j in range(iomodel.num_blocks(n_k, block_n)):
+            k_start = j * block_n
+            k_tile = tiled.load_tile(k, k_start, block_n)
+            v_tile = tiled.load_tile(v, k_start, block_n)
+            k_idx = k_start + np.arange(block_n)[None, :]
+            s = np.einsum("...id,...jd->...ij", q_tile, k_tile) * scale
+            keep = k_idx < n_k
+            if causal:
+                keep = keep & (k_idx <= q_idx)
+            s[..., ~np.broadcast_to(keep, s.shape[-2:])] = -np.inf
+            m_new = np.maximum(m_i, np.max(s, axis=-1))
+            alpha = np.exp(m_i - m_new)
+            p = np.exp(s - m_new[..., None])
+            l_i = l_i * alpha + np.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + p @ v_tile
+            m_i = m_new
+        o_tile = acc / l_i[..., None]
+        lse_tile = m_i + np.log(l_i)
+        o[..., q_start:q_start + rows, :] = o_tile[..., :rows, :]
+        lse[..., q_start:q_start + rows] = lse_tile[..., :rows]
+    return o, lse
+'''
+
+FA41_WRONG = [
+    ("padding not masked", [("keep = k_idx < n_k", "keep = np.ones_like(k_idx, dtype=bool)")],
+     cause("padded key columns")),
+    ("mask sees the next key", [("k_idx <= q_idx", "k_idx <= q_idx + 1")], cause("off by one")),
+    ("acc not rescaled", [("acc = acc * alpha[..., None] + p @ v_tile", "acc = acc + p @ v_tile")],
+     cause("accumulator (O) is not rescaled")),
+    ("l not rescaled", [("l_i = l_i * alpha + np.sum(p, axis=-1)", "l_i = l_i + np.sum(p, axis=-1)")],
+     cause("running sum l is not rescaled")),
+    ("no division", [("o_tile = acc / l_i[..., None]", "o_tile = acc")], cause("final division")),
+    ("lse without the max", [("lse_tile = m_i + np.log(l_i)", "lse_tile = np.log(l_i)")],
+     cause("lse is log(l)")),
+    ("scale ignored", [(") * scale\n", ") / np.sqrt(d)\n")], cause("always scaled by 1/sqrt(d)")),
+    ("no max subtracted", [("p = np.exp(s - m_new[..., None])", "p = np.exp(s)"),
+                           ("alpha = np.exp(m_i - m_new)", "alpha = 1.0"),
+                           ("lse_tile = m_i + np.log(l_i)", "lse_tile = np.log(l_i)")], NO_CAUSE),
+    ("mask hides the diagonal", [("k_idx <= q_idx", "k_idx < q_idx")], NO_CAUSE),
+    ("log2 for lse", [("np.log(l_i)", "np.log2(l_i)")], NO_CAUSE),
+]
+
+
+@pytest.mark.parametrize("label,edits,expect", FA41_WRONG, ids=[w[0] for w in FA41_WRONG])
+def test_learner_41_mistakes_rejected_with_the_right_cause_or_none(label, edits, expect):
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_fa2_forward(learner_answer(LEARNER_41, edits, label))
+    message = str(info.value)
+    named = [line for line in message.split("\n")
+             if line.startswith("  likely cause:") or line.startswith("  - ")]
+    assert named == ([] if expect is NO_CAUSE else [f"  likely cause: {expect}"]), message
+
+
+def test_learner_41_right_answer_passes(capsys):
+    answer = learner_answer(LEARNER_41, [], "4.1")
+    assert ch04.check_fa2_forward(answer) is answer
+
+
+SKIP_41_WRONG = [  # exercise 4.2, written as a learner would: (answer, cause or NO_CAUSE)
+    (lambda n_q, n_k, bm, bn: iomodel.causal_skip_grid(n_q, n_k, bm, bn).T.copy()
+     if n_q == n_k and bm == bn else np.zeros((-(-n_q // bm), -(-n_k // bn)), bool), NO_CAUSE),
+    (lambda n_q, n_k, bm, bn: np.array([[j * bn > (i + 1) * bm - 1 for j in range(-(-n_k // bn))]
+                                        for i in range(-(-n_q // bm))]),
+     next(c for c in ch04.SKIP_MISTAKES if "ragged last Q tile" in c)),
+    (lambda n_q, n_k, bm, bn: np.array([[j > i for j in range(-(-n_k // bn))]
+                                        for i in range(-(-n_q // bm))]),
+     next(c for c in ch04.SKIP_MISTAKES if "tile indices" in c)),
+    (lambda n_q, n_k, bm, bn: np.array([[(j + 1) * bn - 1 > min((i + 1) * bm, n_q) - 1
+                                         for j in range(-(-n_k // bn))]
+                                        for i in range(-(-n_q // bm))]), NO_CAUSE),
+    (lambda n_q, n_k, bm, bn: np.array([[j * bn >= min((i + 1) * bm, n_q) - 1
+                                         for j in range(-(-n_k // bn))]
+                                        for i in range(-(-n_q // bm))]),
+     next(c for c in ch04.SKIP_MISTAKES if "off by one" in c)),
+]
+
+
+@pytest.mark.parametrize("answer,expect", SKIP_41_WRONG)
+def test_learner_42_mistakes_rejected_with_the_right_cause_or_none(answer, expect):
+    with pytest.raises(ExerciseFailed) as info:
+        ch04.check_causal_skip_grid(answer)
+    named = [line for line in str(info.value).split("\n") if line.startswith("  likely cause:")]
+    assert named == ([] if expect is NO_CAUSE else [f"  likely cause: {expect}"]), str(info.value)

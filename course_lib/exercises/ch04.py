@@ -903,9 +903,9 @@ def _whole_cases():
 
 
 def _step_state_reset(m_i, l_i, acc, s, v_tile):
-    """Every K/V step starts from the empty state: only the last tile seen counts."""
-    return tiled.online_softmax_step(*tiled.empty_state(m_i.shape, acc.shape[-1], acc.dtype),
-                                     s, v_tile)
+    """Every K/V step starts from the empty state: only the last tile seen counts. Unguarded, as
+    the exercise's update is written: a row whose scores in that tile are all masked is NaN."""
+    return _step_unguarded(*tiled.empty_state(m_i.shape, acc.shape[-1], acc.dtype), s, v_tile)
 
 
 def _step_divides_inside(m_i, l_i, acc, s, v_tile):
@@ -1001,7 +1001,7 @@ WHOLE_FORWARD_MISTAKES = {
     _CAUSAL_OFF_BY_ONE: _forward_mistake("causal_sees_next_key", rule=_sees_next_key_skipping),
     "m_i, l_i and acc are reset inside the K/V loop: only the last K/V tile counts. Start them "
     "(m = -inf, l = 0, acc = 0) once per Q tile, before the inner loop":
-        _forward_mistake("state_reset", step=_step_state_reset),
+        _forward_mistake("state_reset", step=_step_state_reset, finish=_finish_unguarded),
     "acc is divided by l inside the K/V loop: keep acc unnormalised (the sum of p·v) and divide "
     "once, after the last K/V tile":
         _forward_mistake("divides_inside", step=_step_divides_inside),
@@ -1021,7 +1021,8 @@ WHOLE_FORWARD_MISTAKES = {
 _FA1_MISTAKE_PARTS = [
     ("the Q tile's state is not read back from HBM: each K/V step starts from m = -inf, l = 0, "
      "o = 0, so only the last K/V tile counts. Read this Q tile's rows of m, l and o before the "
-     "update, write them back after it", "state_not_reloaded", {"step": _step_state_reset}),
+     "update, write them back after it", "state_not_reloaded",
+     {"step": _step_state_reset, "finish": _finish_unguarded}),
     ("o is kept normalised in HBM but not un-normalised on reload: fold in l_old·o_old (times "
      "exp(m_old - m_new)), not o_old", "reload_normalised", {"step": _step_reload_normalised}),
     ("on reload l_old·o_old is not rescaled by exp(m_old - m_new) when the max grows (the "
@@ -1037,12 +1038,35 @@ _FA1_MISTAKE_PARTS = [
      {"rule": lambda causal: _ExerciseMask(causal, mask_padding=False)}),
 ]
 
+def _nan_rows_keep_nan_lse(forward):
+    """``forward`` with lse NaN wherever a row of o is NaN: FA1's last pass computes lse = m +
+    log l from the state in HBM, and an unguarded NaN in l reaches lse too."""
+    def wrong(*args, **kwargs):
+        o, lse = forward(*args, **kwargs)
+        return o, np.where(np.isnan(o).any(axis=-1), np.nan, lse).astype(lse.dtype)
+    wrong.__name__ = forward.__name__
+    return wrong
+
+
+def _fa1_lse_without_max(q, k, v, causal=False, scale=None, block_m=tiled.DEFAULT_BLOCK_M,
+                         block_n=tiled.DEFAULT_BLOCK_N):
+    """FA1's last pass writes lse = log l: the right lse minus each row's final max m (the max
+    of the row's visible scaled scores, which the FA1 state in HBM holds at the end)."""
+    o, lse = tiled.flash_attention_numpy_fa1(q, k, v, causal, scale, block_m, block_n)
+    scale = tiled.resolve_scale(scale, q.shape[-1])
+    s = scale * (q @ np.swapaxes(k, -1, -2))  # (..., N_q, N_k)
+    if causal:
+        s = np.where(tiled.causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    return o, (lse - s.max(axis=-1)).astype(lse.dtype)
+
+
 FA1_MISTAKES = {cause: _forward_mistake(name, forward=tiled.flash_attention_numpy_fa1, **parts)
                 for cause, name, parts in _FA1_MISTAKE_PARTS}
+FA1_MISTAKES[_FA1_MISTAKE_PARTS[0][0]] = _nan_rows_keep_nan_lse(
+    FA1_MISTAKES[_FA1_MISTAKE_PARTS[0][0]])
 FA1_MISTAKES.update({
-    _cause("lse is log(l)"): _forward_mistake("lse_without_max", finish=_finish_lse_without_max,
-                                              forward=tiled.flash_attention_numpy_fa1),
-    _cause("scale argument is ignored"):
+    _cause("lse is log(l)"): _fa1_lse_without_max,
+    _cause("always scaled by 1/sqrt(d)"):
         _forward_mistake("scale_ignored", wrong_scale=lambda d, scale: d ** -0.5,
                          forward=tiled.flash_attention_numpy_fa1),
     _DEFAULT_SCALE_1_OVER_D:
