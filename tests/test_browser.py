@@ -368,6 +368,38 @@ def test_no_false_pass_when_only_the_check_cell_is_rerun(notebook_page, lab, cas
         f"{case.exercise}: the check did not say to run the exercise cell: {again!r}"
 
 
+@needs_chromium
+@pytest.mark.ch03
+def test_stepper_block_size_reaches_n_in_the_browser(notebook_page):
+    """Chapter 03's stepper starts on a 4-score row; on a 12-score row the Block size slider must
+    reach 12 with the End key (the slider on the page once kept its first range: End gave 4)."""
+    from course_lib.widgets import softmax_stepper as ws
+
+    page, open_ = notebook_page
+    path = chapter_notebook("03_")
+    panel = open_(path)
+    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    assert_ran_cleanly(panel, path.name)
+    output = bh.widget_output(page, panel, "Next tile")
+    output.scroll_into_view_if_needed()
+    for preset in (ws.RANDOM, ws.RISING):
+        n = len(ws.preset_row(preset))
+        old = bh.image_info(bh.figure(output))["src"]
+        bh.dropdown(page, output, "Input row").select_option(label=preset)
+        bh.wait_for_new_src(page, bh.figure(output), old, REDRAW_TIMEOUT_S)
+        handle = bh.slider_handle(page, output, "Block size")
+        handle.focus()
+        handle.press("End")
+        page.wait_for_timeout(500)
+        assert float(handle.get_attribute("aria-valuenow")) == n, \
+            f"{preset}: End moved Block size to {handle.get_attribute('aria-valuenow')}, not N = {n}"
+        bh.wait_until_still(page, bh.figure(output), 0.8, REDRAW_TIMEOUT_S)
+        assert f"Tile 0 of 1 (block size {n}, N = {n})" in " ".join(output.inner_text().split())
+    bh.assert_no_news_prompt(page)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    output.screenshot(path=str(SCREENSHOTS / "ch03_stepper_block_size_n.png"))
+
+
 QUIZ_CHAPTER = "01"  # the concept check is tested in one chapter: every chapter's is the same widget
 FEEDBACK_MARKS = ("✓", "✗")
 POLL_MS = 100  # how often to look for a feedback line

@@ -137,3 +137,35 @@ def test_custom_row_and_bad_arguments():
         stepper.set_row([[1.0, 2.0]])
     with pytest.raises(ValueError, match="preset must be one of"):
         ws.SoftmaxStepper(preset="nope")
+
+
+def test_block_size_reaches_n_on_every_row():
+    """From the first row (4 scores) to every other: the slider on the page spans 1..N, and
+    block size N reads the whole row as one tile."""
+    stepper = ws.SoftmaxStepper()  # starts on the reading's 4-score row
+    for preset in (*ws.PRESETS, ws.READING_ROW):
+        stepper.preset.value = preset
+        n = len(stepper.row)
+        slider = stepper.block_slider
+        assert stepper._slider_box.children[0] is slider, "the slider shown is not the one in use"
+        assert (slider.min, slider.max) == (1, n), preset
+        slider.value = n
+        assert stepper.block_size == n and stepper.n_tiles == 1
+        stepper.step()
+        np.testing.assert_allclose(stepper.current_weights(), safe_softmax(stepper.row), rtol=1e-12)
+    assert any(len(ws.preset_row(p)) == ws.RANDOM_LENGTH == 12 for p in ws.PRESETS)
+
+
+def test_a_new_row_length_gets_a_fresh_slider_and_keeps_working():
+    """JupyterLab's slider keeps the range it was first drawn with for its End key and drags, so a
+    row of another length gets a new slider; the old one is closed and no longer drives the widget."""
+    stepper = ws.SoftmaxStepper(preset=ws.READING_ROW, block_size=2)
+    old = stepper.block_slider
+    stepper.preset.value = ws.RANDOM
+    assert stepper.block_slider is not old and old.comm is None  # closed
+    assert stepper.block_slider.value == 2  # the block size carried over
+    same = stepper.block_slider
+    stepper.new_row_button.click()  # same length: the same slider
+    assert stepper.block_slider is same
+    stepper.block_slider.value = 5
+    assert stepper.n_tiles == 3 and stepper.tiles_done == 0

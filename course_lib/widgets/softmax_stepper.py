@@ -95,17 +95,16 @@ class SoftmaxStepper(FigureWidget):
         self.preset = widgets.Dropdown(options=PRESETS, value=preset, description="Input row",
                                        **control_layout())
         self.new_row_button = widgets.Button(description="New random row", icon="random")
-        self.block_slider = widgets.IntSlider(value=1, min=1, max=len(self.row),
-                                              description="Block size", continuous_update=False,
-                                              **control_layout())
+        self.block_slider = self._new_slider(1, len(self.row))
         self.next_button = widgets.Button(description="Next tile", icon="step-forward",
                                           button_style="primary")
         self.reset_button = widgets.Button(description="Reset", icon="undo")
         self.status = widgets.HTML()
         self._new_figure(layout=None)  # the axes are placed by hand below
+        self._slider_box = widgets.HBox([self.block_slider, self.next_button, self.reset_button])
         self.widget = widgets.VBox([
             widgets.HBox([self.preset, self.new_row_button]),
-            widgets.HBox([self.block_slider, self.next_button, self.reset_button]),
+            self._slider_box,
             self.status, self.image])
 
         grid = self.fig.add_gridspec(2, 2, width_ratios=(1.7, 1.0), left=0.08, right=0.98,
@@ -115,7 +114,6 @@ class SoftmaxStepper(FigureWidget):
         self.ax_state = self.fig.add_subplot(grid[:, 1])
 
         self._set_slider(block_size)
-        self.block_slider.observe(lambda change: self._on_block_size(), names="value")
         self.preset.observe(lambda change: self._on_preset(change["new"]), names="value")
         self.next_button.on_click(lambda button: self.step())
         self.reset_button.on_click(lambda button: self.reset())
@@ -212,12 +210,31 @@ class SoftmaxStepper(FigureWidget):
         if not self._syncing:
             self.reset()
 
+    def _new_slider(self, value: int, top: int):
+        slider = widgets.IntSlider(value=value, min=1, max=top, description="Block size",
+                                   continuous_update=False, **control_layout())
+        slider.observe(lambda change: self._on_block_size(), names="value")
+        return slider
+
     def _set_slider(self, block_size: int) -> None:
-        """Fit the slider's range to the row without triggering a reset per change."""
+        """Fit the slider's range to the row (1 to N) without triggering a reset per change.
+
+        A new row of another length gets a new slider: JupyterLab's slider keeps parts of the
+        range it was first drawn with (its End key and the far end of a drag went to the old N,
+        e.g. 4 on a 12-score row), so changing ``max`` of the one on the page is not enough.
+        """
+        top = max(len(self.row), 1)
+        value = int(min(max(block_size, 1), top))
+        if self.block_slider.max != top:
+            old = self.block_slider
+            self.block_slider = self._new_slider(value, top)
+            if hasattr(self, "_slider_box"):
+                self._slider_box.children = (self.block_slider, *self._slider_box.children[1:])
+            old.close()
+            return
         self._syncing = True
         try:
-            self.block_slider.max = max(len(self.row), 1)
-            self.block_slider.value = int(min(max(block_size, 1), len(self.row)))
+            self.block_slider.value = value
         finally:
             self._syncing = False
 
