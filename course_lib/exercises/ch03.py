@@ -65,6 +65,16 @@ def _update_max_not_returned(m, l, x_tile):
     return m, softmax.online_update(m, l, x_tile)[1]
 
 
+def _update_global_max(m, l, x_tile):
+    m_new = np.maximum(m, np.max(x_tile))  # one max for every row
+    return m_new, l * np.exp(m - m_new) + np.exp(x_tile - m_new[..., None]).sum(-1)
+
+
+def _update_tile_sum_rescaled(m, l, x_tile):
+    m_new = np.maximum(m, _tile_max(x_tile))
+    return m_new, (l + np.exp(x_tile - m_new[..., None]).sum(-1)) * np.exp(m - m_new)
+
+
 NO_RESCALE = ("the running sum is not rescaled: when the max grows from m to m_new, the old l "
               "(a sum of exp(x - m)) must be multiplied by the correction exp(m - m_new)")
 NO_MAX = ("the max is not subtracted: exp(x) overflows to inf for large scores (fp32 near 89) — "
@@ -85,6 +95,10 @@ UPDATE_MISTAKES = {
         _update_old_max_for_tile,
     "the running max is returned unchanged: return m_new = max(m, max(x_tile))":
         _update_max_not_returned,
+    "the tile's max is taken over the whole tile (np.max(x_tile) without axis): each row needs "
+    "its own, np.max(x_tile, axis=-1)": _update_global_max,
+    "the correction exp(m - m_new) also multiplies the tile's sum: the tile is already relative "
+    "to m_new; only the old l needs it": _update_tile_sum_rescaled,
 }
 
 
@@ -100,6 +114,20 @@ def _update_cases() -> list[Case]:
     masked = rng.normal(size=(3, 4))
     masked[:, [1, 3]] = -np.inf
     big_m = np.array([995.0, 1003.0, 1001.5, 998.0])
+    # a square tile (4 rows, 4 scores) of rows near +1000 and -1000: an axis slip does not crash
+    # here, and a max shared by all rows underflows the rows far below it
+    signs = np.array([1.0, -1.0, 1.0, -1.0])
+    square_m = signs * 1000.0 + rng.normal(size=4)
+    square_x = (signs * 1000.0)[:, None] + 2.0 * rng.normal(size=(4, 4))
+    # row 0: a finite state and a tile of all -inf; row 1: the empty state and a partly masked
+    # tile; row 2: an ordinary row. The tile is a strided view (every other column).
+    wide = rng.normal(size=(3, 10))
+    wide[0] = -np.inf
+    wide[1, [0, 4, 6]] = -np.inf
+    # float32, leading dims (2, 2): states and scores near ±300 (beyond exp's float32 range)
+    f32_sign = np.array([[1.0, -1.0], [-1.0, 1.0]])
+    f32_m = (f32_sign * 300.0 + rng.normal(size=(2, 2))).astype(np.float32)
+    f32_x = ((f32_sign * 300.0)[..., None] + 1.5 * rng.normal(size=(2, 2, 5))).astype(np.float32)
     return [
         Case((m, l, x), label="the tile raises the max in rows 0 and 1"),
         Case((empty_m, np.zeros(2), rng.normal(size=(2, 7))),
@@ -111,6 +139,12 @@ def _update_cases() -> list[Case]:
         Case((rng.normal(size=(2, 3)), 1.0 + rng.random((2, 3)), rng.normal(size=(2, 3, 1))),
              label="leading dims (2, 3), a ragged tile of width 1"),
         Case(tuple(a.astype(np.float32) for a in (m, l, x)), label="float32"),
+        Case((square_m, 0.5 + rng.random(4), square_x),
+             label="a square tile (4 rows, 4 scores), rows near +1000 and -1000"),
+        Case((np.array([0.4, -np.inf, 1.3]), np.array([2.5, 0.0, 1.1]), wide[:, ::2]),
+             label="row 0: a tile of all -inf; row 1: the empty state, a partly masked tile"),
+        Case((f32_m, (1.0 + rng.random((2, 2))).astype(np.float32), f32_x),
+             label="float32, leading dims (2, 2), scores near +300 and -300"),
     ]
 
 
@@ -176,6 +210,34 @@ def _merge_plain_average(m_a, l_a, o_a, m_b, l_b, o_b):
     return m, l, (o_a + o_b) / 2
 
 
+def _merge_weights_swapped(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    w_a, w_b = l_a * c_a, l_b * c_b
+    return _merge_from(m, w_a + w_b, w_b, w_a, o_a, o_b)
+
+
+def _merge_corrections_only(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    return m, l_a * c_a + l_b * c_b, c_a[..., None] * o_a + c_b[..., None] * o_b
+
+
+def _merge_minimum(m_a, l_a, o_a, m_b, l_b, o_b):
+    m = np.minimum(m_a, m_b)
+    w_a, w_b = l_a * np.exp(m_a - m), l_b * np.exp(m_b - m)
+    return _merge_from(m, w_a + w_b, w_a, w_b, o_a, o_b)
+
+
+def _merge_l_not_rescaled(m_a, l_a, o_a, m_b, l_b, o_b):
+    m, _, o = _merge_from(*_merge_parts(m_a, l_a, m_b, l_b), o_a, o_b)
+    return m, l_a + l_b, o
+
+
+def _merge_parts(m_a, l_a, m_b, l_b):
+    m, c_a, c_b = _factors(m_a, m_b)
+    w_a, w_b = l_a * c_a, l_b * c_b
+    return m, w_a + w_b, w_a, w_b
+
+
 MERGE_MISTAKES = {
     "the sums are not rescaled to the common max: each l is relative to its own m, so "
     "l = l_a exp(m_a - m) + l_b exp(m_b - m)": _merge_no_rescale,
@@ -189,6 +251,15 @@ MERGE_MISTAKES = {
     "the sum, l_a exp(m_a - m) / l": _merge_without_l,
     "the merged output is not divided by the merged sum l": _merge_not_normalised,
     "o_a and o_b are simply averaged: weight each by its share of the merged sum": _merge_plain_average,
+    "the two parts' weights are swapped: o_a is weighted by part a's share, "
+    "l_a exp(m_a - m) / l": _merge_weights_swapped,
+    "the outputs are weighted by the corrections exp(m_a - m), exp(m_b - m) alone, and not "
+    "divided: each o needs its share of the merged sum, l_a exp(m_a - m) / l":
+        _merge_corrections_only,
+    "the merged max is the smaller one (np.minimum): it is the larger, m = max(m_a, m_b), so that "
+    "every correction exp(m_part - m) is at most 1": _merge_minimum,
+    "the merged l is l_a + l_b: each part's sum must be rescaled to the common max first, "
+    "l = l_a exp(m_a - m) + l_b exp(m_b - m) (o was merged right)": _merge_l_not_rescaled,
 }
 
 
@@ -205,6 +276,17 @@ def _merge_cases() -> list[Case]:
 
     empty = (np.array([-np.inf, 0.7]), np.array([0.0, 1.5]), np.array([[0.0] * d, [0.3] * d]))
     mixed = rng.normal(size=(2, 3))
+    # part b empty (m = -inf, l = 0, o = 0) in rows 0 and 2; maxima thousands apart, both signs;
+    # o_a a strided view (a transposed (d, rows) array)
+    m_a, l_a, _ = part([1500.0, -2000.0, 900.0, -700.0], d)
+    o_a = rng.normal(size=(d, 4)).T
+    m_b, l_b, o_b = part([0.0, -1990.5, 0.0, 2100.0], d)
+    m_b[[0, 2]], l_b[[0, 2]], o_b[[0, 2]] = -np.inf, 0.0, 0.0
+    # float32, leading dims (2, 2), maxima near ±300 (beyond exp's float32 range when subtracted
+    # the wrong way round)
+    sign = np.array([[1.0, -1.0], [-1.0, 1.0]])
+    f32 = part(300.0 * sign + rng.normal(size=(2, 2)), 3) + part(
+        -300.0 * sign + rng.normal(size=(2, 2)), 3)
     return [
         case([0.5, 1.0, -0.2], [2.0, 3.5, 0.1], "part b has the larger max"),
         case([4.0, 1.0, 0.0, 2.5], [1.0, 1.0, -3.0, 0.5], "part a has the larger max (row 1 ties)"),
@@ -213,6 +295,10 @@ def _merge_cases() -> list[Case]:
         case(mixed, mixed + rng.normal(size=(2, 3)), "leading dims (2, 3)", size=3),
         Case(tuple(a.astype(np.float32)
                    for a in part([0.5, 2.0], d) + part([1.5, -1.0], d)), label="float32"),
+        Case((m_a, l_a, o_a, m_b, l_b, o_b),
+             label="part b is empty in rows 0 and 2; maxima thousands apart, both signs"),
+        Case(tuple(a.astype(np.float32) for a in f32),
+             label="float32, leading dims (2, 2), maxima near +300 and -300"),
     ]
 
 
@@ -228,57 +314,60 @@ def check_merge(fn):
 # Exercise 3.3: online_softmax(x, block_size), the whole row tile by tile
 # ----------------------------------------------------------------------------------------------
 
-def _weights(x, m, l):
-    """``exp(x - m) / l`` along the last axis, as a mistake computes it (no guard for -inf)."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return (np.exp(x - m[..., None]) / l[..., None]).astype(x.dtype, copy=False)
+def _skeleton_softmax(x, block_size, *, rescale=True, sign=1.0, tile_ref="running",
+                      every_tile=True, slice_short=False, guard_tile=True, guard_row=True,
+                      normalise_at_end=True, accumulate=True, row_max=True):
+    """The notebook's answer to 3.3, line for line (float64 state, the guards of the hints),
+    with one knob turned the wrong way: what a learner who followed the skeleton computes with
+    that one mistake, on every case (including masked rows and ragged tiles).
+
+    ``tile_ref``: what the tile is exponentiated against, "running" (m_new), "own" (the tile's own
+    max) or "old" (m before the tile); ``sign=-1``: the correction exp(m_new - m);
+    ``every_tile=False``: range(N // block_size) tiles; ``slice_short``: tiles
+    ``start:start + block_size - 1``; ``accumulate=False``: l replaced by each tile's sum;
+    ``row_max=False``: one max over the whole tile (np.max without axis)."""
+    m = np.full(x.shape[:-1], -np.inf)  # (...,)
+    l = np.zeros(x.shape[:-1])  # (...,)
+    out = np.zeros(x.shape)
+    n = x.shape[-1] if every_tile else x.shape[-1] // block_size * block_size
+    with np.errstate(all="ignore"):
+        for start in range(0, n, block_size):
+            tile = x[..., start:start + block_size - (1 if slice_short else 0)]  # (..., B)
+            tile_max = tile.max(axis=-1) if row_max else np.full(m.shape, tile.max())
+            m_new = np.maximum(m, tile_max)
+            shift = np.where(np.isfinite(m_new), m_new, 0.0) if guard_tile else m_new
+            ref = {"running": shift, "own": tile_max,
+                   "old": np.where(np.isfinite(m), m, 0.0) if guard_tile else m}[tile_ref]
+            tile_sum = np.exp(tile - ref[..., None]).sum(axis=-1)
+            if not accumulate:
+                l = tile_sum
+            elif rescale:
+                l = l * np.exp(sign * (m - shift)) + tile_sum
+            else:
+                l = l + tile_sum
+            m = m_new
+            if not normalise_at_end:  # this tile's weights, with the max and sum so far
+                out[..., start:start + tile.shape[-1]] = np.exp(tile - m[..., None]) / l[..., None]
+        if not normalise_at_end:
+            return out.astype(x.dtype)
+        p = np.exp(x - np.where(np.isfinite(m), m, 0.0)[..., None])  # (..., N)
+        if guard_row:
+            p = np.divide(p, l[..., None], out=np.zeros_like(p), where=l[..., None] > 0)
+        else:
+            p = p / l[..., None]
+    return p.astype(x.dtype)
 
 
-def _softmax_with_update(update):
-    """The library's online softmax with its per-tile update swapped for a mistaken one."""
+def _skeleton(**knobs):
     def wrong(x, block_size):
-        with np.errstate(over="ignore", invalid="ignore"):
-            return softmax.online_softmax(x, block_size, update=update)
+        return _skeleton_softmax(x, block_size, **knobs)
     return wrong
-
-
-def _softmax_ragged_tile_dropped(x, block_size):
-    """range(N // B) tiles: the statistics never see the short last tile."""
-    full = x.shape[-1] // block_size * block_size
-    return _weights(x, *softmax.online_softmax_stats(x[..., :full], block_size))
-
-
-def _softmax_weights_in_first_pass(x, block_size):
-    """Each tile's weights written as soon as the tile is folded in, with the partial m and l."""
-    m, l = softmax.online_softmax_stats(x[..., :0], block_size)  # the empty state
-    out = np.empty_like(x)
-    for start in range(0, x.shape[-1], block_size):
-        tile = x[..., start:start + block_size]  # (..., B)
-        m, l = softmax.online_update(m, l, tile)
-        out[..., start:start + block_size] = _weights(tile, m, l)
-    return out
-
-
-def _softmax_wrong_rows(rows_of, value=np.nan):
-    """The right weights, ``value`` in the rows ``rows_of(x, block_size)`` (boolean ``(...,)``)."""
-    def wrong(x, block_size):
-        return np.where(rows_of(x, block_size)[..., None], value,
-                        softmax.online_softmax(x, block_size)).astype(x.dtype)
-    return wrong
-
-
-def _first_tile_masked(x, block_size):
-    return _all_masked(x[..., :block_size])
 
 
 def _textbook_softmax(x, block_size):
-    """No max anywhere: ``exp(x) / sum(exp(x))``, whatever the tiles."""
-    with np.errstate(over="ignore", invalid="ignore"):
+    """No max anywhere: ``exp(x) / sum(exp(x))``, whatever the tiles (in x's dtype)."""
+    with np.errstate(all="ignore"):
         return softmax.naive_softmax(x)
-
-
-def _all_masked(x):
-    return np.isneginf(x).all(axis=-1)
 
 
 ALL_MASKED_ROW_NAN = ("a row of all -inf (a query that sees no key) gives NaN: its l is 0, and "
@@ -287,22 +376,28 @@ MASKED_FIRST_TILE_NAN = ("a tile of all -inf while the running max is still -inf
                          "exp(-inf - (-inf)) = exp(NaN), and the row's l stays NaN: subtract 0 "
                          "instead of m while m is -inf (only the empty state has m = -inf)")
 
-# The masked-row mistakes come first: on the masked case the textbook formula gives the same NaN
-# row (0/0); it is recognised earlier, on the float32 case, by its overflow.
 ONLINE_SOFTMAX_MISTAKES = {
-    ALL_MASKED_ROW_NAN: _softmax_wrong_rows(lambda x, block_size: _all_masked(x)),
-    MASKED_FIRST_TILE_NAN: _softmax_wrong_rows(_first_tile_masked),
+    ALL_MASKED_ROW_NAN: _skeleton(guard_row=False),
+    MASKED_FIRST_TILE_NAN: _skeleton(guard_tile=False, guard_row=False),
     MASKED_FIRST_TILE_NAN + " (then a guard `where l > 0` turned the NaN row into zeros)":
-        _softmax_wrong_rows(_first_tile_masked, 0.0),
-    NO_RESCALE: _softmax_with_update(_update_no_rescale),
+        _skeleton(guard_tile=False),
+    NO_RESCALE: _skeleton(rescale=False),
     NO_MAX + " (this is the textbook exp(x) / sum(exp(x)))": _textbook_softmax,
-    WRONG_SIGN: _softmax_with_update(_update_wrong_sign),
+    WRONG_SIGN: _skeleton(sign=-1.0),
     "each tile is exponentiated relative to its own max; use the running max m_new, the same "
-    "reference as the rescaled old sum": _softmax_with_update(_update_tile_own_max),
+    "reference as the rescaled old sum": _skeleton(tile_ref="own"),
+    "each tile is exponentiated relative to the max before it (the old m); use the new running "
+    "max m_new": _skeleton(tile_ref="old"),
     "the short last tile is dropped (range(N // block_size)): loop over range(0, N, block_size) "
-    "so the statistics see every score": _softmax_ragged_tile_dropped,
+    "so the statistics see every score": _skeleton(every_tile=False),
+    "each tile misses its last score (x[..., start:start + block_size - 1]): a slice's end is "
+    "already excluded, so take x[..., start:start + block_size]": _skeleton(slice_short=True),
+    "the running sum is replaced by each tile's sum (l = Σ exp(tile - m_new)): add the tile's "
+    "sum to the rescaled old l": _skeleton(accumulate=False),
+    "the tile's max is taken over the whole tile (tile.max() without axis): each row needs its "
+    "own, tile.max(axis=-1)": _skeleton(row_max=False),
     "the weights are written during the first pass, with the max and sum of the tiles seen so "
-    "far: normalise after the last tile, with the final m and l": _softmax_weights_in_first_pass,
+    "far: normalise after the last tile, with the final m and l": _skeleton(normalise_at_end=False),
 }
 
 
@@ -313,14 +408,26 @@ def _online_softmax_cases() -> list[Case]:
     masked[1] = -np.inf  # a query that sees no key
     masked[2, :4] = -np.inf  # the first tile all -inf, later ones not
     masked[3] = np.linspace(-3.0, 6.0, 10)  # the max grows in every tile
+    # rows near +1000 and -1000 by turns (float32: beyond exp's range either way)
+    signs = np.where(np.arange(4) % 2 == 0, 1.0, -1.0)[:, None]
+    far32 = (1000.0 * signs + 3.0 * rng.normal(size=(4, 13))).astype(np.float32)
+    # one tile exactly the row's width; rows near ±1000, one row all -inf, one partly masked
+    exact = 1000.0 * np.array([1.0, -1.0])[:, None] + 4.0 * rng.normal(size=(2, 2, 12))
+    exact[1, 0] = -np.inf
+    exact[0, 1, 5:] = -np.inf
+    # a strided view (every other column), scores of both signs in the hundreds and thousands
+    wide = 300.0 * rng.normal(size=(5, 34))
+    wide[:, ::2] += 1500.0 * np.array([1.0, -1.0, 0.2, -0.6, 1.0])[:, None]
     return [
         Case((4.0 * rng.normal(size=(3, 37)), 5), label="N = 37 in tiles of 5 (the last has 2)"),
         Case((rng.normal(size=(2, 3, 11)), 4), label="leading dims (2, 3), N = 11, tiles of 4"),
-        Case(((1000.0 + 3.0 * rng.normal(size=(4, 13))).astype(np.float32), 6),
-             label="float32 scores around 1000"),
+        Case((far32, 6), label="float32 scores near +1000 and -1000, N = 13, tiles of 6"),
         Case((masked, 3), label="masked scores: a row of all -inf, a row whose first tile is -inf"),
         Case((rng.normal(size=(2, 7)), 16), label="one tile, wider than the row"),
         Case((rng.normal(size=(3, 6)), 1), label="tiles of one score"),
+        Case((exact, 12), label="leading dims (2, 2), one tile of exactly N = 12, rows near ±1000, "
+                                "a row of all -inf"),
+        Case((wide[:, ::2], 5), label="a strided view, N = 17 in tiles of 5, rows near ±1500"),
     ]
 
 
