@@ -309,7 +309,7 @@ FA2_WRONG = [
     ("ragged last Q tile dropped", [("range(0, n_q, block_m)", "range(0, n_q - block_m + 1, block_m)")],
      ch04.RAGGED_Q_DROPPED),
     ("no max subtracted", [("np.exp(s - m_new[..., None])", "np.exp(s)"),
-                           ("alpha = np.exp(m - m_new)", "alpha = 1.0"),
+                           ("alpha = np.exp(m - m_new)", "alpha = np.ones_like(m)"),
                            ("m + np.log(l)", "np.log(l)")], NO_CAUSE),
     ("outputs in float64", [("dtype=q.dtype)", ")")], NO_CAUSE),
     ("q scaled in place", [("    o = np.zeros(q.shape", "    q *= scale\n    scale = 1.0\n    o = np.zeros(q.shape")],
@@ -342,7 +342,8 @@ FA1_WRONG = [
      cause1("always scaled by 1/sqrt(d)")),
     ("float64 results", [("return O.astype(q.dtype), (M + np.log(L)).astype(q.dtype)", "return O, M + np.log(L)")],
      NO_CAUSE),
-    ("mask hides the diagonal", [("<= np.arange(i, stop)", "< np.arange(i, stop)")], NO_CAUSE),
+    ("mask hides the diagonal", [("<= np.arange(i, stop)", "< np.arange(i, stop)")],
+     ch04._DIAGONAL_HIDDEN),
     ("upfront copy of k", [("    O = np.zeros(", "    k = np.array(k)\n    O = np.zeros(")], LOADS),
 ]
 
@@ -679,9 +680,9 @@ FA41_WRONG = [
      cause("lse is log(l)")),
     ("scale ignored", [(") * scale\n", ") / np.sqrt(d)\n")], cause("always scaled by 1/sqrt(d)")),
     ("no max subtracted", [("p = np.exp(s - m_new[..., None])", "p = np.exp(s)"),
-                           ("alpha = np.exp(m_i - m_new)", "alpha = 1.0"),
+                           ("alpha = np.exp(m_i - m_new)", "alpha = np.ones_like(m_i)"),
                            ("lse_tile = m_i + np.log(l_i)", "lse_tile = np.log(l_i)")], NO_CAUSE),
-    ("mask hides the diagonal", [("k_idx <= q_idx", "k_idx < q_idx")], NO_CAUSE),
+    ("mask hides the diagonal", [("k_idx <= q_idx", "k_idx < q_idx")], ch04._DIAGONAL_HIDDEN),
     ("log2 for lse", [("np.log(l_i)", "np.log2(l_i)")], NO_CAUSE),
 ]
 

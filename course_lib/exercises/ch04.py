@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import linecache
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -381,6 +382,21 @@ _METADATA_FUNCTIONS = {np.shape, np.ndim, np.size, np.result_type, np.empty_like
 _COPY_FUNCTIONS = {np.copy}
 
 
+def _numpy(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, with any warning NumPy gives (overflow, invalid value) told at
+    the learner's line, not inside the watched array that passed the call on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    where = _learner_line()
+    for w in caught:
+        if where is None:
+            warnings.warn(w.message, w.category, stacklevel=3)
+        else:
+            warnings.warn_explicit(w.message, w.category, where[0], where[1])
+    return result
+
+
 def _is_basic_index(key) -> bool:
     items = key if isinstance(key, tuple) else (key,)
     return all(i is None or i is Ellipsis or isinstance(i, slice)
@@ -552,7 +568,7 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
 
         def method(*args, **kwargs):
             self._touch(self._ids)
-            return attr(*_plain(args), **_plain(kwargs))
+            return _numpy(attr, *_plain(args), **_plain(kwargs))
         return method
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -561,7 +577,7 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
         out_watched = out[0] if out and isinstance(out[0], _Watched) else None
         if out is not None:
             kwargs["out"] = tuple(_plain(o, touch=False) for o in out)
-        result = getattr(ufunc, method)(*_plain(inputs), **_plain(kwargs))
+        result = _numpy(getattr(ufunc, method), *_plain(inputs), **_plain(kwargs))
         if out_watched is not None:
             return out_watched
         # an element-wise operation on one watched array (q * scale): the learner's copy of it
@@ -581,7 +597,7 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
             return w._view(func(w._data, *rest, **kw), func(w._ids, *rest, **kw))
         if func in _COPY_FUNCTIONS and args and isinstance(args[0], _Watched):
             return args[0]._learner_copy(func(args[0]._data, *args[1:], **kwargs))
-        return func(*_plain(args), **_plain(kwargs))
+        return _numpy(func, *_plain(args), **_plain(kwargs))
 
 
 def _watch(inputs: dict) -> tuple[_LoadLog, list[_Watched]]:
@@ -948,8 +964,9 @@ class _CausalRuleMistake(tiled.TileRule):
     the diagonal (``k_idx < q_idx``); ``skip_ge`` skips with ``k_start >= last query`` (one tile
     too many). Every computed tile is masked, as the exercise's loop masks it."""
 
-    def __init__(self, causal: bool, *, strict: bool = False, skip_ge: bool = False):
-        self.causal, self.strict, self.skip_ge = causal, strict, skip_ge
+    def __init__(self, causal: bool, *, strict: bool = False, skip_ge: bool = False,
+                 skip: bool = True):
+        self.causal, self.strict, self.skip_ge, self.skip = causal, strict, skip_ge, skip
 
     def visible(self, q_idx, k_idx):
         if not self.causal:
@@ -961,7 +978,7 @@ class _CausalRuleMistake(tiled.TileRule):
             return tiled.DENSE.tile_classes(n_q, n_k, block_m, block_n)
         (_, r1), (c0, _) = tiled.tile_bounds(n_q, n_k, block_m, block_n)
         skip = (c0 >= r1) if self.skip_ge else (c0 > r1)
-        return np.where(skip, tiled.SKIP, tiled.PARTIAL)
+        return np.where(skip & self.skip, tiled.SKIP, tiled.PARTIAL)
 
 
 def _step_unguarded(m_i, l_i, acc, s, v_tile):
@@ -994,6 +1011,11 @@ def _causal_rule_mistake(name, forward=tiled.flash_attention_numpy, **mistake):
                             rule=lambda causal: _CausalRuleMistake(causal, **mistake),
                             **({"step": _step_unguarded, "finish": _finish_unguarded}
                                if unguarded else {}))
+
+
+# exercise 4.1's loop computes every tile (no skip)
+FORWARD_MISTAKES[_DIAGONAL_HIDDEN] = _causal_rule_mistake("diagonal_hidden", strict=True,
+                                                          skip=False)
 
 WHOLE_FORWARD_MISTAKES = {
     **FORWARD_MISTAKES,
@@ -1074,6 +1096,8 @@ FA1_MISTAKES.update({
                          wrong_scale=lambda d, scale: 1.0 / d if scale is None else scale),
     _SKIP_GE: _causal_rule_mistake("skip_ge", forward=tiled.flash_attention_numpy_fa1,
                                    skip_ge=True),
+    _DIAGONAL_HIDDEN: _nan_rows_keep_nan_lse(_causal_rule_mistake(
+        "diagonal_hidden", forward=tiled.flash_attention_numpy_fa1, strict=True)),
 })
 
 
