@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from course_lib import checks
 from course_lib.checks import learner_check
 from course_lib import costmodel, hardware
-from course_lib.checks import Case, CapturedOutput, ExerciseFailed, check_function
+from course_lib.checks import Case, CapturedOutput, check_function
 
 __all__ = ["CASES", "check_softmax_intensity", "check_qk_intensity", "MISTAKES_SOFTMAX",
            "MISTAKES_QK", "TABLE_FIELDS", "TABLE_CASES", "reference_cost_table", "check_cost_table",
@@ -34,12 +36,15 @@ __all__ = ["CASES", "check_softmax_intensity", "check_qk_intensity", "MISTAKES_S
 
 BITS_PER_BYTE = 8
 
-# (seq_len, head_dim, bytes per element): fp16 at the reading's N=1024, fp32, irregular sizes.
+# (seq_len, head_dim, bytes per element): fp16 at the reading's N=1024, fp32, irregular sizes, a
+# sequence shorter than the head dim (the N·d terms outweigh N²) and a single query.
 CASES = [
     Case((1024, 64, 2), label="N=1024, d=64, fp16"),
     Case((4096, 128, 4), label="N=4096, d=128, fp32"),
     Case((1000, 80, 2), label="N=1000, d=80, bf16"),
     Case((333, 48, 8), label="N=333, d=48, fp64"),
+    Case((96, 256, 4), label="N=96 < d=256, fp32"),
+    Case((1, 40, 1), label="N=1, d=40, 1 byte (fp8)"),
 ]
 
 
@@ -62,6 +67,10 @@ MISTAKES_SOFTMAX = {
         lambda n, d, b: sum(_softmax_parts(n, d, b)[1:]) / _softmax_parts(n, d, b)[0],
     "softmax does not multiply by d: it touches each of the N² scores a fixed number of times":
         lambda n, d, b: d * _softmax_parts(n, d, b)[0] / sum(_softmax_parts(n, d, b)[1:]),
+    "bytes_per_elem is not used: the traffic was counted in elements; multiply by the bytes per "
+    "element": lambda n, d, b: _softmax_parts(n, d, b)[0] / (2 * n * n),
+    "integer division (//) rounds the intensity down: use / for FLOP per byte":
+        lambda n, d, b: _softmax_parts(n, d, b)[0] // sum(_softmax_parts(n, d, b)[1:]),
 }
 
 MISTAKES_QK = {
@@ -75,6 +84,13 @@ MISTAKES_QK = {
         lambda n, d, b: _qk_parts(n, d, b)[0] / ((n * d + n * n) * b),
     "intensity is FLOPs ÷ bytes, not bytes ÷ FLOPs":
         lambda n, d, b: sum(_qk_parts(n, d, b)[1:]) / _qk_parts(n, d, b)[0],
+    "bytes_per_elem is not used: the traffic was counted in elements; multiply by the bytes per "
+    "element": lambda n, d, b: _qk_parts(n, d, b)[0] / (2 * n * d + n * n),
+    "integer division (//) rounds the intensity down: use / for FLOP per byte":
+        lambda n, d, b: _qk_parts(n, d, b)[0] // sum(_qk_parts(n, d, b)[1:]),
+    "Q, K and S are each counted as N² elements (as for a square N×N×N matmul): Q and K are "
+    "N×d, so the traffic is 2·N·d + N² elements":
+        lambda n, d, b: _qk_parts(n, d, b)[0] / (3 * n * n * b),
 }
 
 
@@ -133,7 +149,7 @@ def reference_cost_table(seq_len, head_dim, dtype, copies, gpu, causal=True, dro
 def _table(seq_len, head_dim, dtype, copies, gpu, causal=True, dropout=True, *, mac_flops=2,
            softmax_flops=costmodel.SOFTMAX_FLOPS_PER_ELEMENT, write_s=True, pv_reads_v=True,
            bytes_per_elem=None, per_head=False, invert=False, peak="dtype", units=1.0,
-           flip=False, causal_half=False):
+           flip=False, causal_half=False, read_only_intensity=False, copies_flops_only=False):
     """The table with one thing counted the wrong way (the knobs); defaults give the right one."""
     n, d, c = seq_len, head_dim, 1 if per_head else copies
     b = costmodel.bytes_per_element(dtype) if bytes_per_elem is None else bytes_per_elem
@@ -151,8 +167,12 @@ def _table(seq_len, head_dim, dtype, copies, gpu, causal=True, dropout=True, *, 
     rows = []
     for step in _kernels(causal, dropout):
         flops, read, written = per_step[step]
-        flops, read, written = c * flops, c * read * b, c * written * b
-        intensity = (read + written) / flops if invert else flops / (read + written)
+        flops = c * flops
+        if not copies_flops_only:
+            read, written = c * read, c * written
+        read, written = read * b, written * b
+        moved = read if read_only_intensity else read + written
+        intensity = moved / flops if invert else flops / moved
         bound = _bound(intensity, balance)
         if flip:
             bound = COMPUTE if bound == MEMORY else MEMORY
@@ -189,6 +209,12 @@ MISTAKES_TABLE = {
     "table's dtype, gpu.peak_flops(dtype)": _table_mistake(peak="float16"),
     "memory- and compute-bound are swapped: below the balance point (few FLOPs per byte) a "
     "kernel waits for memory, so softmax is memory-bound": _table_mistake(flip=True),
+    "the balance point is FLOP/s ÷ GB/s (10⁹× too large, so every step looks memory-bound): use "
+    "gpu.bandwidth_bytes_per_s": _table_mistake(units=1e9),
+    "the intensity counts only the bytes read: a kernel's traffic is what it reads plus what it "
+    "writes": _table_mistake(read_only_intensity=True),
+    "`copies` multiplies the FLOPs but not the bytes: every head moves its own bytes too":
+        _table_mistake(copies_flops_only=True),
 }
 
 # The first case has no mask, so a matmul FLOP count wrong there is not a causal halving (on a
@@ -205,6 +231,10 @@ TABLE_CASES = [
          label="N=1000, d=80, fp32, batch·heads=12, A100 80GB PCIe, no mask, dropout"),
     Case((8192, 256, "float16", 2, "A100 40GB"), {"causal": True, "dropout": True},
          label="N=8192, d=256, fp16, batch·heads=2, A100 40GB, causal, dropout"),
+    Case((96, 256, "float32", 5, "H200"), {"causal": True, "dropout": False},
+         label="N=96 < d=256, fp32, batch·heads=5, H200, causal, no dropout"),
+    Case((2048, 96, "bfloat16", 40, "RTX 4090"), {"causal": False, "dropout": True},
+         label="N=2048, d=96, bf16, batch·heads=40, RTX 4090, no mask, dropout"),
 ]
 
 TABLE_HINTS = [
@@ -285,8 +315,28 @@ def _table_problem(got, want):
     return lines
 
 
-class _WrongTable(Exception):
-    """Raised through check_function when the learner's table is wrong (the lines are kept)."""
+_BOUND_CODES = {MEMORY: 0.0, COMPUTE: 1.0}
+_CRASHED = object()  # a case the learner's function raised on, after a wrong table: no evidence
+
+
+def _encode(table):
+    """A table as numbers (step index, flops, read, written, intensity, bound code) per row, so
+    that checks.compare and the mistake models' agreement work on it; None when it is not a list of
+    rows of the right form."""
+    try:
+        rows = []
+        for row in table:
+            step, *numbers, bound = row
+            rows.append([costmodel.STEPS.index(step), *(float(x) for x in numbers),
+                         _BOUND_CODES.get(bound, -1.0) if isinstance(bound, str) else -1.0])
+        encoded = np.array(rows, dtype=np.float64)
+        return encoded if encoded.ndim == 2 and encoded.shape[1] == len(TABLE_FIELDS) else None
+    except Exception:  # noqa: BLE001 - not a table of rows
+        return None
+
+
+def _encoded(model):
+    return lambda *args, **kwargs: _encode(model(*args, **kwargs))
 
 
 @learner_check
@@ -294,45 +344,55 @@ def check_cost_table(fn, **kwargs):
     """Check Exercise 2.3 against :func:`reference_cost_table`; return ``fn`` (pass) or the
     reference (not done yet).
 
-    ``check_function`` runs ``fn`` (not done yet, crashes, time limit, printing); the table is
-    compared here, so that one diagnosis names the first wrong step and quantity and, when one
-    of ``MISTAKES_TABLE`` gives the same table, its likely cause.
+    ``check_function`` runs ``fn`` on every case (not done yet, crashes, time limit, printing);
+    the tables are compared here, so that the diagnosis names the first wrong step and quantity.
+    A likely cause is named only when exactly one of ``MISTAKES_TABLE`` gives the learner's
+    table on every case (``checks.cause_lines``).
     """
     exercise = "Exercise 2.3"
-    problem: list[str] = []
     output = kwargs.pop("output", None) or CapturedOutput()
     quiet = kwargs.pop("quiet", False)
-    calls = []  # check_function calls once per case, in order: len(calls) is the case number
+    tables: list = []  # check_function calls once per case, in order: (case, table or None)
 
     def compared(*args, **kw):
-        calls.append(args)
-        got = fn(*args, **kw)
-        want = reference_cost_table(*args, **kw)
-        lines = _table_problem(got, want)
-        if lines:
-            n = len(calls)
-            problem[:] = [f"✗ {exercise}: wrong answer on case {n} of {len(TABLE_CASES)}",
-                          f"  inputs: {TABLE_CASES[n - 1].describe()}", *lines]
-            for cause, wrong_fn in MISTAKES_TABLE.items():
-                if _table_problem(got, wrong_fn(*args, **kw)) is None:
-                    problem.append(f"  likely cause: {cause}")
-                    break
-            raise _WrongTable()
-        return 0.0  # check_function compares this with the reference's 0.0: the table was right
+        case = TABLE_CASES[len(tables)]
+        seen_wrong = any(t is not _CRASHED and _table_problem(t, reference_cost_table(
+            *c.args, **c.kwargs)) for c, t in tables)
+        try:
+            got = fn(*args, **kw)
+        except Exception:  # noqa: BLE001 - after a wrong table, a later crash is no evidence
+            if not seen_wrong:
+                raise
+            tables.append((case, _CRASHED))
+            return 0.0
+        tables.append((case, got))
+        return 0.0  # check_function compares this with the reference's 0.0: tables are judged below
 
-    try:
-        result = check_function(exercise, compared, lambda *a, **kw: 0.0, TABLE_CASES,
-                                fallback=reference_cost_table, quiet=True, output=output,
-                                **kwargs)
-    except ExerciseFailed:
-        if problem:
-            raise checks.failed_with(exercise, "\n".join([*problem, *output.excerpt()])) from None
-        raise
-    if result is compared:
+    result = check_function(exercise, compared, lambda *a, **kw: 0.0, TABLE_CASES,
+                            fallback=reference_cost_table, quiet=True, output=output, **kwargs)
+    if result is not compared:  # not done yet
+        return result if quiet else checks.not_done(exercise, result)
+    runs = []
+    for n, (case, got) in enumerate(tables, 1):
+        if got is _CRASHED:
+            continue
+        want = reference_cost_table(*case.args, **case.kwargs)
+        problem = _table_problem(got, want)
+        runs.append(checks._Run(n, case, _encode(want), _encode(got),
+                                "\n".join(problem) if problem else None, (0.0, TABLE_RTOL)))
+    first = next((r for r in runs if r.problem), None)
+    if first is None:
         if not quiet:
             checks.passed(exercise, "\n".join([f"✓ {exercise}: passed ({len(TABLE_CASES)} "
                                                f"cases).", *output.excerpt()]))
         return fn
-    if not quiet:
-        return checks.not_done(exercise, result)
-    return result
+    lines = [f"✗ {exercise}: wrong answer on case {first.n} of {len(TABLE_CASES)}",
+             f"  inputs: {first.case.describe()}", first.problem,
+             *checks.cause_lines(runs, {cause: _encoded(model)
+                                        for cause, model in MISTAKES_TABLE.items()})]
+    other = [r.n for r in runs if r.problem and r is not first]
+    if other:
+        lines.append(f"  (also wrong on case{'s' if len(other) > 1 else ''} "
+                     f"{', '.join(map(str, other))}; right on "
+                     f"{len([r for r in runs if not r.problem])} of {len(TABLE_CASES)})")
+    raise checks.failed_with(exercise, "\n".join([*lines, *output.excerpt()]))
