@@ -109,6 +109,7 @@ class Chapter:
     notebook: str            # the solution notebook's name, e.g. "03_online_softmax.ipynb"
     exercises: list[str]     # ["3.1", "3.2", "3.3"], in number order
     check_calls: dict[str, str] = field(default_factory=dict)  # "3.2" -> "ch03.check_merge"
+    check_ids: dict[str, str] = field(default_factory=dict)    # "3.2" -> the check cell's id
 
 
 def chapter_exercises(solutions: Path) -> dict[str, Chapter]:
@@ -120,12 +121,14 @@ def chapter_exercises(solutions: Path) -> dict[str, Chapter]:
         if not m:
             continue
         nb = nbgen.load_notebook(path)
-        calls = {}
+        calls, ids = {}, {}
         for ex, _, check in nbgen.exercise_cells(nb):
             src = nbgen._source(nb["cells"][check]) if check is not None else ""
             call = nbgen.CHECK_CALL_RE.search(src)
             calls.setdefault(ex, call.group(1) if call else "")
-        chapters[m.group(1)] = Chapter(path.name, sorted(calls, key=exercise_key), calls)
+            if check is not None and nb["cells"][check].get("id"):
+                ids.setdefault(ex, nb["cells"][check]["id"])
+        chapters[m.group(1)] = Chapter(path.name, sorted(calls, key=exercise_key), calls, ids)
     if not chapters:
         raise GradeError(f"{solutions}: no solution notebooks (NN_name.ipynb) to read the "
                          f"exercises from")
@@ -177,20 +180,37 @@ def find_submissions(folder: Path, chapters: dict) -> tuple[list[Submission], li
     return subs, warnings
 
 
-def read_log(path: Path, exercises: list[str]) -> tuple[dict[str, dict], int]:
-    """The last report of each of ``exercises`` in the JSON-lines log, and how many lines were
-    ignored (unreadable, an unknown status, or an exercise of another chapter)."""
-    reports: dict[str, dict] = {}
+@dataclass
+class Report:
+    cell: int | None  # the cell that was running when the line was written
+    exercise: str
+    status: str
+    message: str
+
+
+def read_log(path: Path, exercises: list[str],
+             starts: list[tuple[int, int]] = ()) -> tuple[list[Report], int]:
+    """The reports in the JSON-lines log on ``exercises``, in order, each with the cell that was
+    running when it was written (``starts``: (cell index, log size when that cell started), in
+    order); and how many lines were ignored (unreadable, an unknown status, or an exercise of
+    another chapter)."""
+    reports: list[Report] = []
     ignored = 0
     try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        data = Path(path).read_bytes()
     except OSError:
         return reports, 0
-    for line in text.splitlines():
-        if not line.strip():
+    offset = 0
+    for raw in data.splitlines(keepends=True):
+        at, offset = offset, offset + len(raw)
+        if not raw.strip():
             continue
+        cell = None
+        for index, start in starts:
+            if start <= at:
+                cell = index
         try:
-            entry = json.loads(line)
+            entry = json.loads(raw.decode("utf-8", errors="replace"))
             m = EXERCISE_ID_RE.search(str(entry["exercise"]))
             status = entry["status"]
         except (ValueError, KeyError, TypeError):
@@ -199,8 +219,21 @@ def read_log(path: Path, exercises: list[str]) -> tuple[dict[str, dict], int]:
         if not m or m.group(1) not in exercises or status not in ("passed", "not done", "wrong"):
             ignored += 1
             continue
-        reports[m.group(1)] = {"status": status, "message": str(entry.get("message", ""))}
+        reports.append(Report(cell, m.group(1), status, str(entry.get("message", ""))))
     return reports, ignored
+
+
+def check_cell(nb, chapter: Chapter, ex: str) -> int | None:
+    """The cell of ``nb`` that checks exercise ``ex``: the cell with the solution's check cell id
+    when it still calls the check, else the first cell that calls it (a chapter may call a check
+    again later, e.g. to show what a wrong answer looks like: that one does not count)."""
+    call = chapter.check_calls.get(ex)
+    if not call:
+        return None
+    pattern = re.compile(rf"\b{re.escape(call)}\s*\(")
+    calling = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and pattern.search(c.source)]
+    by_id = [i for i in calling if chapter.check_ids.get(ex) and nb.cells[i].get("id") == chapter.check_ids[ex]]
+    return (by_id or calling or [None])[0]
 
 
 def _strip(nb) -> None:
@@ -277,9 +310,11 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
         workdir.mkdir()
         kernel_err = Path(tmp) / "kernel_stderr.txt"
         running = [0]  # the index of the cell sent to the kernel last
+        starts: list[tuple[int, int]] = []  # (cell index, size of the log when it started)
 
         def on_cell_execute(cell, cell_index, **_):
             running[0] = cell_index
+            starts.append((cell_index, log.stat().st_size))
 
         client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
                                 record_timing=False, resources={"metadata": {"path": str(workdir)}},
@@ -295,17 +330,25 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
             stopped += f" (its last words: {last})" if last else ""
         except Exception as exc:  # the kernel could not start, ...
             stopped = f"the run stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        reports, ignored = read_log(log, exercises)
+        reports, ignored = read_log(log, exercises, starts)
     if ignored:
         flags.append(f"{ignored} line(s) of the log ignored: not a report on an exercise of "
                      f"chapter {sub.chapter}")
+    # only what an exercise's own check cell reported counts, and its last report
+    checking = {ex: check_cell(nb, chapter, ex) for ex in exercises}
+    counted = {r.exercise: r for r in reports if r.cell is not None and r.cell == checking[r.exercise]}
+    for r in reports:
+        if r.status == "passed" and r.cell != checking[r.exercise]:
+            flags.append(f"cell {r.cell} reported Exercise {r.exercise} passed, but it is not that "
+                         f"exercise's check cell (ignored)")
     errors = dict(_errors(nb))
 
     def status_of(ex: str) -> tuple[str, str]:
-        if ex in reports:
-            return reports[ex]["status"], reports[ex]["message"]
+        if ex in counted:
+            return counted[ex].status, counted[ex].message
         return "not run", "its check never reported: " + _why_not_run(
-            nb, chapter.check_calls.get(ex), errors, stopped, running[0] if stopped else None)
+            nb, checking[ex], chapter.check_calls.get(ex), errors, stopped,
+            running[0] if stopped else None)
 
     if executed_dir is not None:
         out = Path(executed_dir) / sub.learner / name
@@ -315,33 +358,27 @@ def grade_notebook(sub: Submission, chapter: Chapter, timeout: int,
                   seconds=time.perf_counter() - start)
 
 
-def _why_not_run(nb, call: str | None, errors: dict[int, str], stopped: str | None,
-                 stopped_at: int | None = None) -> str:
-    """Why a check never reported, from the executed notebook: its check cell raised, the run
-    stopped before it, or the notebook has no cell calling it."""
-    cells = [i for i, c in enumerate(nb.cells)
-             if call and c.cell_type == "code" and re.search(rf"\b{re.escape(call)}\s*\(", c.source)]
-    if not cells:
+def _why_not_run(nb, cell: int | None, call: str | None, errors: dict[int, str],
+                 stopped: str | None, stopped_at: int | None = None) -> str:
+    """Why the check cell ``cell`` never reported, from the executed notebook: it raised, the run
+    stopped before it or while it ran, or the notebook has no cell calling the check."""
+    if cell is None:
         what = f"no cell calls `{call}(...)`" if call else "its check cell is missing"
         return what + (f"; {stopped}" if stopped else "")
-    if stopped and stopped_at in cells:
+    if stopped and stopped_at == cell:
         return f"{stopped}, its check cell"
-    ran = [i for i in cells if nb.cells[i].get("execution_count") is not None]
-    if not ran:
-        return f"{stopped} (before its check cell, cell {cells[0]})" if stopped else \
-            f"its check cell (cell {cells[0]}) never ran"
-    last = ran[-1]
-    if last in errors:
-        # the cells that raised between the previous check (or the start) and this one
-        earlier = [i for i in errors if i < last]
-        prev = max([i for i, c in enumerate(nb.cells[:last]) if c.cell_type == "code"
+    if nb.cells[cell].get("execution_count") is None:
+        return f"{stopped} (before its check cell, cell {cell})" if stopped else \
+            f"its check cell (cell {cell}) never ran"
+    if cell in errors:
+        # the cells that raised between the previous check cell (or the start) and this one
+        prev = max([i for i, c in enumerate(nb.cells[:cell]) if c.cell_type == "code"
                     and nbgen.CHECK_CALL_RE.search(c.source)] or [-1])
-        near = [f"cell {i} raised {errors[i]}" for i in earlier if i > prev][-2:]
-        return f"its check cell (cell {last}) raised {errors[last]}" + \
+        near = [f"cell {i} raised {e}" for i, e in sorted(errors.items()) if prev < i < cell][-2:]
+        return f"its check cell (cell {cell}) raised {errors[cell]}" + \
             (f" (before it, {'; '.join(near)})" if near else "")
-    if stopped:
-        return stopped
-    return f"its check cell (cell {last}) ran, but the check did not report"
+    return f"its check cell (cell {cell}) ran, but the check did not report" + \
+        (f"; {stopped}" if stopped else "")
 
 
 def _last_words(path: Path) -> str:

@@ -133,7 +133,7 @@ def test_three_learners_of_chapter_03(tmp_path, expected_messages):
                for who, ex in [("alice", "3.1"), ("alice", "3.2"), ("alice", "3.3"), ("bob", "3.1")])
     assert got[("bob", "3.2")][1] == expected_messages[("3.2", "not done")]
     assert got[("bob", "3.3")][1] == expected_messages[("3.3", "not done")]
-    # the check's own diagnosis, not the forged "passed" written before it (the last report counts)
+    # the check's own diagnosis, not the "passed" forged in another cell
     assert got[("carol", "3.1")][1] == expected_messages[("3.1", "wrong")]
     assert got[("carol", "3.2")][1] == (
         f"its check never reported: its check cell (cell {check_32}) raised NameError: name "
@@ -156,7 +156,9 @@ def test_three_learners_of_chapter_03(tmp_path, expected_messages):
     assert data["learners"]["alice"]["flags"] == [] and data["learners"]["bob"]["flags"] == []
     assert data["learners"]["carol"]["flags"] == [
         f"{SOLUTION_03.name}: cell {i31} mentions COURSE_GRADE_LOG, GRADE_LOG",
-        f"{SOLUTION_03.name}: 1 line(s) of the log ignored: not a report on an exercise of chapter 03"]
+        f"{SOLUTION_03.name}: 1 line(s) of the log ignored: not a report on an exercise of chapter 03",
+        f"{SOLUTION_03.name}: cell {i31} reported Exercise 3.1 passed, but it is not that "
+        f"exercise's check cell (ignored)"]
     with open(out / "summary.csv", newline="", encoding="utf-8") as f:
         summary = {r["learner"]: r for r in csv.DictReader(f)}
     assert (summary["bob"]["passed"], summary["bob"]["not done"], summary["bob"]["exercises"]) == ("1", "2", "3")
@@ -185,12 +187,13 @@ def _toy(tmp_path):
     return sol
 
 
-def _report(ex, status):
-    """A cell standing in for a check cell (the toy chapter has no checks): it appends a report."""
+def _report(ex, *statuses):
+    """A cell standing in for a check cell (the toy chapter has no checks): it appends reports."""
     call = {"1.1": "ch01.check_one(one)", "1.2": "ch01.check_two(two)"}[ex]
-    return new_code_cell(f"# instead of {call}\nimport json, os\nwith open(os.environ['COURSE_GRADE_LOG'], 'a') as f:\n"
-                         f"    f.write(json.dumps({{'exercise': 'Exercise {ex}', 'status': '{status}', "
-                         f"'message': 'toy {status}'}}) + '\\n')")
+    lines = "".join(f"    f.write(json.dumps({{'exercise': 'Exercise {ex}', 'status': '{status}', "
+                    f"'message': 'toy {status}'}}) + '\\n')\n" for status in statuses)
+    return new_code_cell(f"# instead of {call}\nimport json, os\n"
+                         f"with open(os.environ['COURSE_GRADE_LOG'], 'a') as f:\n{lines}")
 
 
 @pytest.mark.ch00
@@ -207,7 +210,8 @@ def test_time_limit_stale_outputs_and_strict_mode(tmp_path, monkeypatch):
     # erin's strictness setting is the grader's business: COURSE_STRICT is not passed to the kernel
     nbformat.write(new_notebook(cells=[new_code_cell(
         "import os\nassert 'COURSE_STRICT' not in os.environ\nassert os.listdir('.') == []  # an empty folder"),
-        _report("1.1", "not done"), _report("1.1", "wrong"), _report("1.2", "blue")]),
+        _report("1.1", "not done", "passed"), _report("1.2", "blue"),
+        _report("1.1", "wrong")]),  # a second call, e.g. to show a wrong answer: does not count
         str(sub / "erin__01_toy.ipynb"))
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), str(sub / "gus__01_toy.ipynb"))
     (sub / "notes.txt").write_text("not a notebook")
@@ -221,8 +225,8 @@ def test_time_limit_stale_outputs_and_strict_mode(tmp_path, monkeypatch):
         ("dan", "1.1"): ("passed", "toy passed"),
         ("dan", "1.2"): ("not run", "its check never reported: cell 1 ran past the 3 s limit per "
                                     "cell (before its check cell, cell 2)"),
-        ("erin", "1.1"): ("wrong", "toy wrong"),
-        ("erin", "1.2"): ("not run", "its check never reported: its check cell (cell 3) ran, but "
+        ("erin", "1.1"): ("passed", "toy passed"),  # the last report of its check cell
+        ("erin", "1.2"): ("not run", "its check never reported: its check cell (cell 2) ran, but "
                                      "the check did not report"),
         ("gus", "1.1"): ("not run", "its check never reported: no cell calls `ch01.check_one(...)`"),
         ("gus", "1.2"): ("not run", "its check never reported: no cell calls `ch01.check_two(...)`"),
@@ -250,8 +254,10 @@ def test_no_submissions_is_a_clear_error(tmp_path):
 @pytest.mark.ch00
 def test_exercise_lists_come_from_the_solutions():
     chapters = grade.chapter_exercises(nbgen.ROOT / "solutions")
+    sol = nbformat.read(str(SOLUTION_03), as_version=4)
     assert chapters["03"] == grade.Chapter("03_online_softmax.ipynb", ["3.1", "3.2", "3.3"], {
-        "3.1": "ch03.check_online_update", "3.2": "ch03.check_merge", "3.3": "ch03.check_online_softmax"})
+        "3.1": "ch03.check_online_update", "3.2": "ch03.check_merge", "3.3": "ch03.check_online_softmax"},
+        {ex: sol.cells[_check_cell_of(sol, ex)].id for ex in ("3.1", "3.2", "3.3")})
     assert chapters["09"].exercises == ["9.1", "9.2", "9.3"]  # in number order, whatever the notebook's
     for chapter, ch in chapters.items():
         assert ch.notebook.startswith(chapter) and ch.exercises, chapter
