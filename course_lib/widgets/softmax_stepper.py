@@ -35,8 +35,9 @@ LARGE_LOGIT = 1000.0  # where the "large logits" row sits: exp(1000) overflows e
 MAX_LABELLED_POSITIONS = 16  # label every position on the x axis up to this row length
 BAR_SQUASH_RATIO = 5.0  # draw score bars from near the data when 0 is this many spreads away
 
-READING_ROW = "reading: [1.0, 2.0, 0.5, 0.1]"
-READING_SCORES = "reading: [2, 5, 3]"
+# The worked examples of the reading (chapter 00 names the articles).
+READING_ROW = "CS 229s notes: [1.0, 2.0, 0.5, 0.1]"
+READING_SCORES = "memory-wall article: [2, 5, 3]"
 RANDOM = "random (New random row)"
 RISING = "rising (every tile raises the max)"
 LARGE = "large logits (about 1000)"
