@@ -17,8 +17,10 @@ For each notebook the grader
    ``COURSE_GRADE_LOG`` naming a log file the grader created: every check appends one JSON line
    ``{"exercise", "status", "message"}`` to it. ``COURSE_STRICT`` is removed from the kernel's
    environment: an unfinished exercise is already its own row;
-3. reads the log: only lines naming an exercise of *that* chapter count, and when an exercise
-   reports more than once the last report counts.
+3. reads the log: a report counts only when it names an exercise of *that* chapter and was
+   written while that exercise's check cell ran (the cell with the solution's check cell id, else
+   the first cell calling the check; a later call, such as chapter 00's demonstration of a wrong
+   answer, does not count); when the check cell reports more than once, the last report counts.
 
 Each exercise of the chapter gets one row with status ``passed``, ``not done``, ``wrong`` (the
 message is the check's diagnosis) or ``not run``: its check never reported, and the message says
