@@ -441,23 +441,18 @@ def _physical(x: torch.Tensor):
     return x.permute(order).contiguous(), order
 
 
-def _first_nonfinite(outputs, names, n_keys: int | None = None) -> str:
-    """'3 non-finite value(s) in o; the first, o[0, 1, 3, 0, 0], is NaN' (and, given the cache
-    length, whether that split's chunk holds no keys), for the first non-finite element."""
-    for name, x in zip(names, outputs):
-        bad = torch.nonzero(~torch.isfinite(x))
-        if len(bad):
-            index = tuple(int(i) for i in bad[0])
-            kind = "NaN" if torch.isnan(x[index]) else "inf"
-            text = (f"{int((~torch.isfinite(x)).sum())} non-finite value(s) in {name}; the first, "
-                    f"{name}{list(index)}, is {kind}")
-            if n_keys is not None and x.ndim >= 4:
-                split, splits = index[2], x.shape[2]
-                if split * _cdiv(n_keys, splits) >= n_keys:
-                    text += (f" — split {split} is an empty chunk ({n_keys} keys in {splits} "
-                             f"splits of {_cdiv(n_keys, splits)}: it holds none, so its l is 0)")
-            return text
-    return "a non-finite value"
+class _NonFiniteOutputs(Exception):
+    """Raised from a guarded run's ``explain_nonfinite`` to hand the outputs (NaN/inf included,
+    from the kernel's own arithmetic: the margins were ruled out) back to the check, which
+    compares them on every case and names a cause only if one model reproduces them all."""
+
+    def __init__(self, outputs):
+        super().__init__("non-finite outputs")
+        self.outputs = outputs
+
+
+def _hand_back(inputs, outputs):
+    raise _NonFiniteOutputs(outputs)
 
 
 def split_kernel_runner(kernel, splits: int, scale=None, block_n: int = SPLIT_CHECK_BLOCK_N):
@@ -487,20 +482,6 @@ def split_kernel_runner(kernel, splits: int, scale=None, block_n: int = SPLIT_CH
         launch_split_kv(kernel, q, k, v, m, l, o, used, block_n)
         m.copy_(_report_empty(m, l))
 
-    def explain_nonfinite(inputs, outputs):
-        q, k, v = (logical(x, order) for x, order in zip(inputs, orders))
-        names = ("o", "m", "l")
-        got = (outputs[2].to(q.dtype), outputs[0], outputs[1])
-        atol, rtol = checks.TOLERANCES[str(q.dtype).replace("torch.", "")]
-        found = [cause for cause, wrong in SPLIT_KERNEL_MISTAKES.items()
-                 if checks.compare(got, wrong(q, k, v, splits, scale, block_n), atol, rtol,
-                                   equal_nan=True) is None]
-        if len(found) == 1:
-            return found[0]
-        raise kernel_checks.KernelProblem(
-            f"your kernel returns NaN or inf although every input is finite: "
-            f"{_first_nonfinite(got, names, k.shape[2])} (index [b, h, split, row(, col)])")
-
     def run(q, k, v):
         physical = [_physical(x) for x in (q, k, v)]
         orders[:] = [order for _, order in physical]
@@ -521,8 +502,11 @@ def split_kernel_runner(kernel, splits: int, scale=None, block_n: int = SPLIT_CH
             load_hint="a tile reads keys past the end of the cache: the last tile of a chunk is "
                       "ragged — load K and V with the mask keys < split_end (tiles.load_tile_at "
                       "does it) and set the scores of those keys to MASK_VALUE",
-            explain_nonfinite=explain_nonfinite)
-        m, l, o = guarded(*(x for x, _ in physical))
+            explain_nonfinite=_hand_back)
+        try:
+            m, l, o = guarded(*(x for x, _ in physical))
+        except _NonFiniteOutputs as nonfinite:
+            m, l, o = nonfinite.outputs
         return o.to(q.dtype), m, l
     return run
 
@@ -535,13 +519,39 @@ def check_split_kv_kernel(kernel):
     from course_lib import kernel_checks
     from course_lib.kernels import decoding as kernels_decoding
 
-    def run(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N):
-        return split_kernel_runner(kernel, splits, scale, block_n)(q, k, v)
+    first_wrong = {}  # the cache length and splits of the first case answered wrong
+    computed = {}  # the reference of each case, by a digest of its inputs (the runs get copies)
 
-    return kernel_checks.check_kernel("Exercise 8.4", kernel, run, _checked_states,
+    def reference(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N):
+        key = (tuple(float(x.double().sum()) for x in (q, k, v)), splits, scale, block_n)
+        if key not in computed:
+            computed[key] = _checked_states(q, k, v, splits, scale, block_n)
+        return computed[key]
+
+    def run(q, k, v, splits, scale=None, block_n=SPLIT_CHECK_BLOCK_N):
+        got = split_kernel_runner(kernel, splits, scale, block_n)(q, k, v)
+        if "case" not in first_wrong:
+            want = reference(q, k, v, splits, scale, block_n)
+            if checks.compare(got, want, *checks._default_tolerance(want)) is not None:
+                first_wrong["case"] = (k.shape[2], splits)
+        return got
+
+    def locate(index):
+        """Which chunk of the cache the first bad [b, h, split, row(, col)] belongs to."""
+        if "case" not in first_wrong or len(index) < 3:
+            return ""
+        n_keys, splits = first_wrong["case"]
+        split, chunk = index[2], _cdiv(n_keys, splits)
+        start, end = split * chunk, min((split + 1) * chunk, n_keys)
+        if start >= n_keys:
+            return (f"split {split} is an empty chunk: {n_keys} keys in {splits} splits of "
+                    f"{chunk} leave it none, so its state is m = -inf, l = 0, o = 0")
+        return f"split {split} holds keys {start} to {end - 1} of the {n_keys}"
+
+    return kernel_checks.check_kernel("Exercise 8.4", kernel, run, reference,
                                       _split_kernel_cases(runtime.current().device),
                                       fallback=kernels_decoding.split_kv_kernel,
-                                      mistakes=SPLIT_KERNEL_MISTAKES)
+                                      mistakes=SPLIT_KERNEL_MISTAKES, locate=locate)
 
 
 SPLIT_KERNEL_HINTS = [
@@ -586,47 +596,70 @@ o = ...                                       # acc / l_i, 0 for an empty chunk
 # Exercise 8.5: combine_kernel, the S partial states of a query row -> (o, lse), in Triton
 # ----------------------------------------------------------------------------------------------
 
-# Margins of the guarded workspace and outputs: room past the last split (a load of the padded
-# split lanes s >= n_splits without a mask reads NaN there), a gap after each row.
+# Margins of the guarded workspace and outputs, per logical dim ((B, H, S, n_q) for m and l,
+# (B, H, S, n_q, d) for the partial outputs, (B, H, n_q, d) for out, (B, H, n_q) for lse): room
+# past the last split (a load of the padded split lanes s >= n_splits without a mask reads there),
+# a gap after each row and head, a different set per tensor so that no two share a stride.
 COMBINE_SPLIT_MARGIN = 8
 COMBINE_COL_MARGIN = 8
-# The synthetic states: m spread over a few units (so that exp(m_s − m) matters), l in
-# [1, 1 + COMBINE_MAX_EXTRA_L] (a non-empty chunk's l is at least 1: its max term is exp(0)).
-COMBINE_M_SPREAD = 3.0
+COMBINE_STATE_MARGIN = (1, 1, COMBINE_SPLIT_MARGIN, 1)
+COMBINE_PART_MARGIN = (1, 0, COMBINE_SPLIT_MARGIN, 2, COMBINE_COL_MARGIN)
+COMBINE_OUT_MARGIN = (1, 1, 1, COMBINE_COL_MARGIN)
+COMBINE_LSE_MARGIN = (1, 1, 2)
+# A non-empty split's l is at least 1 (its max term is exp(0)) and at most 1 + this.
 COMBINE_MAX_EXTRA_L = 20.0
 
 
-def merged_output(m, l, o, out_dtype, *, first_m=False, rescale=True, weigh_o=True,
-                  divide_by="weights", lse_with_m=True, lse_units=1.0):
+def merged_output(m, l, o, out_dtype, *, m_ref="max", rescale=True, sign=1.0, weigh_o=True,
+                  divide_by="weights", lse_with_m=True, lse_units=1.0, pad_m=None):
     """float64 model of the combine kernel: ``(out, lse)`` from the workspace, and its mistakes.
 
-    The defaults are the right kernel; each keyword does one thing differently.
+    The defaults are the right kernel; each keyword does one thing differently. The weights are
+    rounded to float32 as the kernel's are (an exp that overflows float32 is inf here too).
 
     Args:
         m, l: ``(B, H, S, n_q)`` (m natural-log, -inf for an empty split); o:
             ``(B, H, S, n_q, d)``. out_dtype: the dtype of ``out``.
-        first_m: take m from split 0 instead of the max over the splits.
-        rescale: weights ``l_s · exp(m_s − m)`` (True) or plain ``l_s``.
+        m_ref: the m the weights are relative to: "max" (over the splits), "first" (split 0's)
+            or "zero" (none: exp(m_s)).
+        rescale: weights ``l_s · exp(sign · (m_s − m))`` (True) or plain ``l_s``.
+        sign: -1 for the correction with the wrong sign, exp(m − m_s).
         weigh_o: weigh each ``o_s`` (True) or average them.
-        divide_by: "weights" (``Σ w_s``) or "splits" (S).
+        divide_by: "weights" (``Σ w_s``), "splits" (S) or "l" (``Σ l_s``, not rescaled).
         lse_with_m: ``lse = m + log Σ w_s`` (True) or ``log Σ w_s``.
         lse_units: factor on the stored lse (``LOG2_E``: log2 units).
+        pad_m: the m of the padded split lanes (S rounded up to a power of two) when it is not
+            -inf (a load with ``other=0.0``): it joins the max.
 
     Returns:
         ``(out, lse)``: ``(B, H, n_q, d)`` in ``out_dtype`` and ``(B, H, n_q)`` float32.
     """
     m64, l64, o64 = (x.double().cpu().numpy() for x in (m, l, o))
     splits = m64.shape[2]
-    with np.errstate(invalid="ignore", over="ignore"):  # the NaN of first_m is the point
-        m_ref = m64[:, :, :1] if first_m else m64.max(axis=2, keepdims=True)  # (B, H, 1, n_q)
-        w = l64 * np.exp(m64 - m_ref) if rescale else l64  # (B, H, S, n_q)
+    # the kernel's padded lanes (S rounded up to BLOCK_S): l = 0, o = 0, m = -inf or pad_m
+    extra = (1 << (splits - 1).bit_length()) - splits
+    pad = [(0, 0)] * 2 + [(0, extra)] + [(0, 0)]
+    m64 = np.pad(m64, pad, constant_values=-np.inf if pad_m is None else pad_m)
+    l64 = np.pad(l64, pad)
+    o64 = np.pad(o64, pad + [(0, 0)])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # NaN of a mistake
+        if m_ref == "first":
+            m_max = m64[:, :, :1]
+        elif m_ref == "zero":
+            m_max = np.zeros_like(m64[:, :, :1])
+        else:
+            m_max = m64.max(axis=2, keepdims=True)  # (B, H, 1, n_q)
+        w = (l64 * np.exp(sign * (m64 - m_max)) if rescale else l64)  # (B, H, S, n_q)
+        w = w.astype(np.float32).astype(np.float64)
         w_sum = w.sum(axis=2)  # (B, H, n_q)
         if weigh_o:
             total = (w[..., None] * o64).sum(axis=2)  # (B, H, n_q, d)
-            out = total / (w_sum[..., None] if divide_by == "weights" else splits)
+            denominator = {"weights": w_sum[..., None], "splits": splits,
+                           "l": l64.sum(axis=2)[..., None]}[divide_by]
+            out = total / denominator
         else:
-            out = o64.mean(axis=2)
-        lse = (m_ref[:, :, 0] if lse_with_m else 0.0) + np.log(w_sum)
+            out = o64.sum(axis=2) / splits
+        lse = (m_max[:, :, 0] if lse_with_m else 0.0) + np.log(w_sum)
     return (torch.from_numpy(out).to(device=m.device, dtype=out_dtype),
             torch.from_numpy(lse * lse_units).to(device=m.device, dtype=torch.float32))
 
@@ -659,32 +692,60 @@ COMBINE_KERNEL_MISTAKES = {
     "m is split 0's m instead of the max over the splits: when split 0 is empty (m_0 = -inf, "
     "l_0 = 0), exp(m_0 − m_0) = exp(-inf + inf) is NaN and the other splits' exp(m_s − m_0) "
     "overflow — take m = tl.max(m_s, axis=0) over all splits (the real ones are never all "
-    "empty)": _merge_mistake(first_m=True),
+    "empty)": _merge_mistake(m_ref="first"),
+    "the weights are l_s · exp(m_s) with no max subtracted: exp overflows float32 past m ≈ 88 "
+    "(and underflows to 0 below ≈ -103) — subtract m = max_s m_s first, w_s = l_s · exp(m_s − m)":
+        _merge_mistake(m_ref="zero"),
+    "the correction has the wrong sign, exp(m − m_s): it is ≥ 1 and overflows for a split far "
+    "below the max — use exp(m_s − m), at most 1": _merge_mistake(sign=-1.0),
     "Σ w_s o_s is divided by the number of splits: divide by the total weight Σ w_s (the o_s "
     "are normalised per split, the weights are not)": _merge_mistake(divide_by="splits"),
+    "Σ w_s o_s is divided by Σ l_s: the weights were rescaled by exp(m_s − m), so divide by the "
+    "rescaled total Σ w_s": _merge_mistake(divide_by="l"),
     "lse is stored in log2 units (m · LOG2_E + log2 Σ w_s): the output lse is natural-log, "
     "lse = m + log Σ w_s (multiply a log2 value by LN_2)":
         _merge_mistake(lse_units=constants.LOG2_E),
+    "the padded split lanes load m with other=0.0: when every real m_s is below 0, the max is "
+    "then 0 — load m with other=MASK_VALUE (-inf), so that a padded lane never wins the max":
+        _merge_mistake(pad_m=0.0),
 }
+
+
+def _layout(x: torch.Tensor, order) -> torch.Tensor:
+    """``x`` stored in the physical order ``order`` of its dims, seen in its own order."""
+    inverse = [order.index(i) for i in range(len(order))]
+    return x.permute(order).contiguous().permute(inverse)
 
 
 def _combine_kernel_cases(device: str) -> list[Case]:
     gen = torch.Generator().manual_seed(8_5)
-    # (B, H, n_q, d, S, empty split or None, out dtype): no split; split 0 empty (as when a
-    # sliding window masks the oldest chunk); 7 splits (BLOCK_S = 8: one padded lane); fp16.
-    specs = [(1, 2, 1, 16, 1, None, torch.float32), (2, 1, 3, 32, 3, 0, torch.float32),
-             (1, 2, 3, 16, 7, None, torch.float32), (1, 2, 1, 32, 3, 2, torch.float16)]
+    # (B, H, n_q, d, S, empty splits, m centre, m spread, out dtype, layouts of m/l and o):
+    # 1. split 0 empty (as when a sliding window masks the oldest chunk), S = 5 (BLOCK_S = 8:
+    #    three padded lanes), split maxima hundreds apart, d = 24 (HEAD_DIM 32); m and l stored
+    #    (B, n_q, H, S), o (B, S, n_q, H, d);
+    # 2. every m far below 0 (a padded lane's m = 0 would win the max), S = 3, float16 out, o
+    #    stored with its head dim not last (column stride ≠ 1);
+    # 3. S = 8 (no padded lane) with the last two splits empty (a cache shorter than the splits
+    #    × the chunk), d = 40 (HEAD_DIM 64), maxima hundreds apart;
+    # 4. one split (nothing to merge).
+    specs = [(2, 2, 3, 24, 5, (0,), 0.0, 200.0, torch.float32, (0, 3, 1, 2), (0, 2, 3, 1, 4)),
+             (1, 3, 2, 16, 3, (), -300.0, 20.0, torch.float16, (0, 1, 2, 3), (0, 1, 2, 4, 3)),
+             (1, 1, 2, 40, 8, (6, 7), 50.0, 150.0, torch.float32, (2, 0, 1, 3), (0, 1, 2, 3, 4)),
+             (1, 2, 1, 16, 1, (), 3.0, 1.0, torch.float32, (0, 1, 2, 3), (0, 1, 2, 3, 4))]
     cases = []
-    for b, h, n_q, d, splits, empty, out_dtype in specs:
-        m = COMBINE_M_SPREAD * torch.randn(b, h, splits, n_q, generator=gen)
+    for b, h, n_q, d, splits, empty, centre, spread, out_dtype, ml_order, o_order in specs:
+        m = centre + spread * torch.randn(b, h, splits, n_q, generator=gen)
         l = 1 + COMBINE_MAX_EXTRA_L * torch.rand(b, h, splits, n_q, generator=gen)
         o = torch.randn(b, h, splits, n_q, d, generator=gen)
-        if empty is not None:  # the empty state of chapter 03
-            m[:, :, empty], l[:, :, empty], o[:, :, empty] = -torch.inf, 0.0, 0.0
+        for s in empty:  # the empty state of chapter 03
+            m[:, :, s], l[:, :, s], o[:, :, s] = -torch.inf, 0.0, 0.0
+        m, l, o = _layout(m, ml_order), _layout(l, ml_order), _layout(o, o_order)
         name = str(out_dtype).replace("torch.", "")
         label = (f"B={b}, H={h}, n_q={n_q}, d={d}, S={splits}"
-                 + (f", split {empty} empty (m = -inf, l = 0)" if empty is not None else "")
-                 + f", out {name}; outputs (out [b, h, row, col], lse [b, h, row])")
+                 + (f", split(s) {', '.join(map(str, empty))} empty (m = -inf, l = 0)"
+                    if empty else "")
+                 + f", m ~ {centre:g} ± {spread:g}, out {name}; outputs (out [b, h, row, col], "
+                   f"lse [b, h, row])")
         cases.append(Case(tuple(x.to(device) for x in (m, l, o)), {"out_dtype": out_dtype},
                           label=label))
     return cases
@@ -698,53 +759,68 @@ def _restore_empty(m: torch.Tensor) -> torch.Tensor:
 def combine_kernel_runner(kernel, out_dtype):
     """A guarded run of a combine kernel: ``run(m, l, o) -> (out in out_dtype, lse)``.
 
-    The guarded run diagnoses NaN only when every input is finite, so an empty split's m = -inf
+    m, l and o may have any strides (m and l the same): each is handed to the guarded run in its
+    storage order with margins of its own, and to the kernel as a view in its logical order. The
+    guarded run diagnoses NaN only when every input is finite, so an empty split's m = -inf
     travels to it as :data:`EMPTY_CHUNK_M_REPORTED` and is put back to -inf just for the launch.
     """
     from course_lib import kernel_checks
     from course_lib.kernels import decoding as kernels_decoding
 
+    orders = []
+    out_order, lse_order = (0, 2, 1, 3), (2, 0, 1)  # out stored (B, n_q, H, d), lse (n_q, B, H)
+
+    def logical(x, order):
+        return x.permute([order.index(i) for i in range(len(order))])
+
+    def physical_shape(shape, order):
+        return tuple(shape[i] for i in order)
+
     def out_shape(m, l, o):
-        return tuple(o.shape[:2]) + tuple(o.shape[3:]), out_dtype
+        logical_o = logical(o, orders[2])
+        shape = tuple(logical_o.shape[:2]) + tuple(logical_o.shape[3:])
+        return physical_shape(shape, out_order), out_dtype
 
     def lse_shape(m, l, o):
-        return (m.shape[0], m.shape[1], m.shape[3]), torch.float32
+        lm = logical(m, orders[0])
+        return physical_shape((lm.shape[0], lm.shape[1], lm.shape[3]), lse_order), torch.float32
 
     def launch(m, l, o, out, lse):
+        m, l, o = (logical(x, order) for x, order in zip((m, l, o), orders))
         empty = m == EMPTY_CHUNK_M_REPORTED
         m.masked_fill_(empty, -torch.inf)
         try:
-            kernels_decoding.launch_combine(m, l, o, out, lse, kernel=kernel)
+            kernels_decoding.launch_combine(m, l, o, logical(out, out_order),
+                                            logical(lse, lse_order), kernel=kernel)
         finally:
             m.masked_fill_(empty, EMPTY_CHUNK_M_REPORTED)
 
-    def explain_nonfinite(inputs, outputs):
-        m, l, o = inputs
-        m = _restore_empty(m)
-        atol, rtol = checks.TOLERANCES[str(out_dtype).replace("torch.", "")]
-        for cause, wrong in COMBINE_KERNEL_MISTAKES.items():  # NaN where the mistake has NaN
-            if checks.compare(tuple(outputs), wrong(m, l, o, out_dtype), atol, rtol,
-                              equal_nan=True) is None:
-                return cause
-        return None
-
-    state_margin = (1, 0, COMBINE_SPLIT_MARGIN, 1)
-    guarded = kernel_checks.GuardedRun(
-        launch=launch,
-        margins=(state_margin, state_margin, (1, 0, COMBINE_SPLIT_MARGIN, 1, COMBINE_COL_MARGIN)),
-        outputs=(kernel_checks.Output("out", (1, 0, 1, COMBINE_COL_MARGIN), out_shape),
-                 kernel_checks.Output("lse", (1, 0, 1), lse_shape)),
-        store_hint="store one row: out at b * stride_ob + h * stride_oh + row * stride_om + "
-                   "offs_d * stride_od masked with offs_d < HEAD_DIM_REAL, and one lse",
-        coverage_hint="program (row, h, b) = (tl.program_id(0), tl.program_id(1), "
-                      "tl.program_id(2)) stores its row of out and its lse",
-        load_hint="a load reads past the last split: BLOCK_S is S rounded up to a power of two, "
-                  "so mask the loads with offs_s < n_splits — m with other=-inf (MASK_VALUE), "
-                  "l and o with other=0.0 — so that the padded lanes weigh 0",
-        explain_nonfinite=explain_nonfinite)
-
     def run(m, l, o):
-        return guarded(_report_empty(m), l, o)
+        physical = [_physical(x) for x in (m, l, o)]
+        physical[0] = (_report_empty(physical[0][0]), physical[0][1])
+        orders[:] = [order for _, order in physical]
+        margins = [tuple(margin[i] for i in order) for margin, (_, order) in
+                   zip((COMBINE_STATE_MARGIN, COMBINE_STATE_MARGIN, COMBINE_PART_MARGIN),
+                       physical)]
+        guarded = kernel_checks.GuardedRun(
+            launch=launch, margins=margins,
+            outputs=(kernel_checks.Output("out", physical_shape(COMBINE_OUT_MARGIN, out_order),
+                                          out_shape),
+                     kernel_checks.Output("lse", physical_shape(COMBINE_LSE_MARGIN, lse_order),
+                                          lse_shape)),
+            store_hint="store one row: out at b * stride_ob + h * stride_oh + row * stride_om + "
+                       "offs_d * stride_od masked with offs_d < HEAD_DIM_REAL, and one lse",
+            coverage_hint="program (row, h, b) = (tl.program_id(0), tl.program_id(1), "
+                          "tl.program_id(2)) stores its row of out and its lse",
+            load_hint="a load reads past the last split: BLOCK_S is S rounded up to a power of "
+                      "two, so mask the loads with offs_s < n_splits — m with other=-inf "
+                      "(MASK_VALUE), l and o with other=0.0 — so that the padded lanes weigh 0",
+            explain_nonfinite=_hand_back)
+        try:
+            out, lse = guarded(*(x for x, _ in physical))
+        except _NonFiniteOutputs as nonfinite:
+            out, lse = nonfinite.outputs
+        return logical(out, out_order), logical(lse, lse_order)
     return run
 
 
