@@ -270,11 +270,8 @@ def describe_value(x: Any) -> str:
 
 
 def _is_tensor(x: Any) -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(x, torch.Tensor)
+    torch = sys.modules.get("torch")  # no tensor exists unless torch was imported: no import here
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _dtype_name(x: Any) -> str:
