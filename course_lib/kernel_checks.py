@@ -331,21 +331,21 @@ def _guarded_builder_methods():
     def pid():
         return builder.grid_idx or (0, 0, 0)
 
-    def masked_load(ptrs, mask, other, *rest):
+    def masked_load(ptrs, mask, other, *rest, **options):
         _ACTIVE_GUARDS[-1].check("tl.load", ptrs.data, mask.data, False, pid())
-        return original["create_masked_load"](ptrs, mask, other, *rest)
+        return original["create_masked_load"](ptrs, mask, other, *rest, **options)
 
-    def masked_store(ptrs, value, mask, *rest):
+    def masked_store(ptrs, value, mask, *rest, **options):
         _ACTIVE_GUARDS[-1].check("tl.store", ptrs.data, mask.data, True, pid())
-        return original["create_masked_store"](ptrs, value, mask, *rest)
+        return original["create_masked_store"](ptrs, value, mask, *rest, **options)
 
-    def atomic_rmw(op, ptr, val, mask, *rest):
+    def atomic_rmw(op, ptr, val, mask, *rest, **options):
         _ACTIVE_GUARDS[-1].check("atomic", ptr.data, mask.data, True, pid())
-        return original["create_atomic_rmw"](op, ptr, val, mask, *rest)
+        return original["create_atomic_rmw"](op, ptr, val, mask, *rest, **options)
 
-    def atomic_cas(ptr, cmp, val, *rest):
+    def atomic_cas(ptr, cmp, val, *rest, **options):
         _ACTIVE_GUARDS[-1].check("tl.atomic_cas", ptr.data, None, True, pid())
-        return original["create_atomic_cas"](ptr, cmp, val, *rest)
+        return original["create_atomic_cas"](ptr, cmp, val, *rest, **options)
 
     return builder, original, {"create_masked_load": masked_load,
                                "create_masked_store": masked_store,
