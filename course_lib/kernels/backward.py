@@ -44,6 +44,27 @@ _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the firs
 
 PREPROCESS_BLOCK_M = 64  # query rows per program of the delta kernel (memory-bound; any size works)
 
+# Chapter 07's check replays classic learner mistakes on these kernels: they are its mistake
+# models. ``MISTAKE`` is a constexpr that is 0 in the library, so every ``if MISTAKE ...`` below
+# is removed at compile time and the library's kernels compile exactly as they would without it.
+MISTAKES = ("dk_no_scale", "dq_no_scale", "d_from_tile", "tile_softmax", "no_causal_mask",
+            "dv_p_not_pt", "dk_ds_not_dst", "ds_sign", "dq_overwrite", "exp2_lse_natural",
+            "no_lse", "kv_end_block_n", "rowstats_no_head")
+MISTAKE_CODES = {name: code for code, name in enumerate(MISTAKES, 1)}
+_DK_NO_SCALE: tl.constexpr = tl.constexpr(MISTAKE_CODES["dk_no_scale"])
+_DQ_NO_SCALE: tl.constexpr = tl.constexpr(MISTAKE_CODES["dq_no_scale"])
+_D_FROM_TILE: tl.constexpr = tl.constexpr(MISTAKE_CODES["d_from_tile"])
+_TILE_SOFTMAX: tl.constexpr = tl.constexpr(MISTAKE_CODES["tile_softmax"])
+_NO_CAUSAL_MASK: tl.constexpr = tl.constexpr(MISTAKE_CODES["no_causal_mask"])
+_DV_P_NOT_PT: tl.constexpr = tl.constexpr(MISTAKE_CODES["dv_p_not_pt"])
+_DK_DS_NOT_DST: tl.constexpr = tl.constexpr(MISTAKE_CODES["dk_ds_not_dst"])
+_DS_SIGN: tl.constexpr = tl.constexpr(MISTAKE_CODES["ds_sign"])
+_DQ_OVERWRITE: tl.constexpr = tl.constexpr(MISTAKE_CODES["dq_overwrite"])
+_EXP2_LSE_NATURAL: tl.constexpr = tl.constexpr(MISTAKE_CODES["exp2_lse_natural"])
+_NO_LSE: tl.constexpr = tl.constexpr(MISTAKE_CODES["no_lse"])
+_KV_END_BLOCK_N: tl.constexpr = tl.constexpr(MISTAKE_CODES["kv_end_block_n"])
+_ROWSTATS_NO_HEAD: tl.constexpr = tl.constexpr(MISTAKE_CODES["rowstats_no_head"])
+
 
 @triton.jit
 def preprocess_kernel(O, DO, DELTA,  # O, DO: (B, H, N_Q, d); DELTA: (B, H, N_Q) contiguous
@@ -68,10 +89,45 @@ def preprocess_kernel(O, DO, DELTA,  # O, DO: (B, H, N_Q, d); DELTA: (B, H, N_Q)
 
 
 @triton.jit
+def _mistaken_p(p, s, lse_log2, seen, MISTAKE: tl.constexpr, KEYS: tl.constexpr):
+    """Mistake models only: the tile of P a classic mistake rebuilds, else ``p`` as it is.
+
+    ``s``: scores in log2 units; ``lse_log2``: broadcast to ``s``; ``seen``: what that mistaken
+    code keeps (keys inside the sequence, and the causal mask unless it forgot it); ``KEYS``: the
+    keys' axis (1 for P, 0 for Pᵀ).
+    """
+    if MISTAKE == _TILE_SOFTMAX:  # a softmax over this tile's keys alone
+        s = tl.where(seen, s, float("-inf"))
+        e = tl.math.exp2(s - tl.expand_dims(tl.max(s, axis=KEYS), KEYS))
+        p = tl.where(seen, e / tl.expand_dims(tl.sum(e, axis=KEYS), KEYS), 0.0)
+    elif MISTAKE == _NO_LSE:  # exp(S): the saved lse is not subtracted
+        p = tl.where(seen, tl.math.exp2(s), 0.0)
+    elif MISTAKE == _EXP2_LSE_NATURAL:  # log2-unit scores minus the natural-log lse
+        p = tl.where(seen, tl.math.exp2(s - lse_log2 / LOG2_E), 0.0)
+    elif MISTAKE == _NO_CAUSAL_MASK:
+        p = tl.where(seen, tl.math.exp2(s - lse_log2), 0.0)
+    return p
+
+
+@triton.jit
+def _seen_by_mistake(offs_q, offs_k, n_q, n_k, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     MISTAKE: tl.constexpr):
+    """Mistake models only: ``(len(offs_q), len(offs_k))`` True where a learner's kernel keeps
+    P: both indices inside their sequences and, in masked tiles, the causal mask (forgotten by
+    ``no_causal_mask``)."""
+    seen = (offs_q[:, None] < n_q) & (offs_k[None, :] < n_k)
+    if MASKED:
+        if CAUSAL:
+            if MISTAKE != _NO_CAUSAL_MASK:
+                seen = seen & (offs_k[None, :] <= offs_q[:, None])
+    return seen
+
+
+@triton.jit
 def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                  offs_m, offs_n, d_mask, n_q, q_start, q_end, qk_scale_log2,
+                  offs_m, offs_n, d_mask, n_q, n_k, q_start, q_end, qk_scale_log2,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MISTAKE: tl.constexpr):
     """Add the contributions of query tiles [q_start, q_end) to this program's dK, dV.
 
     Works with transposed score tiles (keys along rows) so that dK and dV come out as
@@ -86,11 +142,23 @@ def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, s
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         if MASKED:
             p_t = tl.where(tiles.visible_t(offs_n, rows, n_q, CAUSAL=CAUSAL), p_t, 0.0)
+        if MISTAKE != 0:  # chapter 07's mistake models (MISTAKE is 0 in the library: compiled away)
+            p_t = _mistaken_p(p_t, s_t, lse_log2[None, :], tl.trans(_seen_by_mistake(
+                rows, offs_n, n_q, n_k, MASKED=MASKED, CAUSAL=CAUSAL, MISTAKE=MISTAKE)), MISTAKE, 0)
         do = tl.load(do_tile_ptrs + start_m * stride_don, mask=load_mask, other=0.0)  # (BLOCK_M, HEAD_DIM)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        if MISTAKE == _DV_P_NOT_PT:
+            dv = tl.dot(tl.trans(p_t).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         delta = tl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
+        if MISTAKE == _D_FROM_TILE:
+            delta = tl.sum(p_t * dp_t, axis=0)
         ds_t = p_t * (dp_t - delta[None, :])  # (BLOCK_N, BLOCK_M)
+        if MISTAKE == _DS_SIGN:
+            ds_t = -ds_t
+        if MISTAKE == _DK_DS_NOT_DST:
+            ds_t = tl.trans(ds_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return dk, dv
 
@@ -105,11 +173,12 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
                 n_heads, n_q, n_k, scale, qk_scale_log2,
                 HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
     """One program: dK and dV for one BLOCK_N tile of keys of one (batch, head).
 
     Grid: cdiv(n_k, BLOCK_N) · B · H programs on one axis. Keeps its K, V tiles and the dK, dV
-    accumulators on chip and loops over the query tiles that see its keys.
+    accumulators on chip and loops over the query tiles that see its keys. ``MISTAKE`` (0: none)
+    replays one of :data:`MISTAKES` for chapter 07's check.
     """
     pid_bh, b, h, start_n = tiles.program_tile(n_k, n_heads, BLOCK=BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows of this program
@@ -125,6 +194,8 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
     do_tile_ptrs = tiles.tile_ptrs(DO, b, h, offs_m, offs_d, stride_dob, stride_doh, stride_don, stride_dod)
     lse_ptr = LSE + pid_bh * n_q
     delta_ptr = DELTA + pid_bh * n_q
+    if MISTAKE == _ROWSTATS_NO_HEAD:  # mistake model: head 0's rows for every head
+        lse_ptr, delta_ptr = LSE, DELTA
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
 
@@ -132,19 +203,20 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
     q_lo, band_end, full_end, tail_start = tiles.q_split(start_n, n_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                                          CAUSAL=CAUSAL)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                           offs_m, offs_n, d_mask, n_q, q_lo, band_end, qk_scale_log2,
+                           offs_m, offs_n, d_mask, n_q, n_k, q_lo, band_end, qk_scale_log2,
                            MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                           offs_m, offs_n, d_mask, n_q, band_end, full_end, qk_scale_log2,
+                           offs_m, offs_n, d_mask, n_q, n_k, band_end, full_end, qk_scale_log2,
                            MASKED=False, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                           offs_m, offs_n, d_mask, n_q, tail_start, n_q, qk_scale_log2,
+                           offs_m, offs_n, d_mask, n_q, n_k, tail_start, n_q, qk_scale_log2,
                            MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
 
-    dk = dk * scale  # dK = scale · dSᵀ Q: the scale was left out of the loop
+    if MISTAKE != _DK_NO_SCALE:
+        dk = dk * scale  # dK = scale · dSᵀ Q: the scale was left out of the loop
     out_offs = b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -152,9 +224,9 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
 
 @triton.jit
 def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
-                 offs_m, offs_n, d_mask, n_k, kv_start, kv_end, qk_scale_log2,
+                 offs_m, offs_n, d_mask, n_q, n_k, kv_start, kv_end, qk_scale_log2,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MISTAKE: tl.constexpr):
     """Add the contributions of key tiles [kv_start, kv_end) to this program's dQ."""
     for start_n in range(kv_start, kv_end, BLOCK_N):
         # cols (BLOCK_N,) key indices of this tile; k, v (BLOCK_N, HEAD_DIM)
@@ -165,9 +237,19 @@ def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
             p = tl.where(tiles.visible(offs_m, cols, n_k, CAUSAL=CAUSAL), p, 0.0)
+        if MISTAKE != 0:  # chapter 07's mistake models (MISTAKE is 0 in the library: compiled away)
+            p = _mistaken_p(p, s, lse_log2[:, None], _seen_by_mistake(
+                offs_m, cols, n_q, n_k, MASKED=MASKED, CAUSAL=CAUSAL, MISTAKE=MISTAKE), MISTAKE, 1)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_M, BLOCK_N)
+        if MISTAKE == _D_FROM_TILE:
+            delta = tl.sum(p * dp, axis=1)
         ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        if MISTAKE == _DS_SIGN:
+            ds = -ds
+        if MISTAKE == _DQ_OVERWRITE:  # only the last K/V tile's part survives
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return dq
 
 
@@ -181,8 +263,9 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,  # LSE, DELTA: (B, H, N_Q) contiguous
               n_heads, n_q, n_k, scale, qk_scale_log2,
               HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
               ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dQ for one BLOCK_M tile of queries of one (batch, head)."""
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    """One program: dQ for one BLOCK_M tile of queries of one (batch, head). ``MISTAKE`` as in
+    :func:`dkdv_kernel`."""
     pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
     offs_n = tl.arange(0, BLOCK_N)
@@ -194,24 +277,32 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,  # LSE, DELTA: (B, H, N_Q) contiguous
                         stride_qb, stride_qh, stride_qn, stride_qd)  # (BLOCK_M, HEAD_DIM)
     do = tiles.load_tile(DO, b, h, offs_m, offs_d, q_mask,
                          stride_dob, stride_doh, stride_don, stride_dod)  # (BLOCK_M, HEAD_DIM)
-    lse_log2 = tl.load(LSE + pid_bh * n_q + offs_m, mask=row_ok, other=0.0) * LOG2_E  # (BLOCK_M,)
-    delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+    row_stats = pid_bh * n_q
+    if MISTAKE == _ROWSTATS_NO_HEAD:  # mistake model: head 0's rows for every head
+        row_stats = 0
+    lse_log2 = tl.load(LSE + row_stats + offs_m, mask=row_ok, other=0.0) * LOG2_E  # (BLOCK_M,)
+    delta = tl.load(DELTA + row_stats + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
     k_tile_ptrs = tiles.tile_ptrs(K, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_kn, stride_kd)
     v_tile_ptrs = tiles.tile_ptrs(V, b, h, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
     # Same tile split as the forward: unmasked tiles first, then the diagonal band / ragged end.
     full_end, kv_end = tiles.kv_split(start_m, n_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+    if MISTAKE == _KV_END_BLOCK_N:  # mistake model: the causal loop ends at start_m + BLOCK_N
+        if CAUSAL:
+            kv_end = tl.minimum(n_k, start_m + BLOCK_N)
+            full_end = tl.minimum(full_end, kv_end)
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
-                      offs_m, offs_n, d_mask, n_k, 0, full_end, qk_scale_log2,
+                      offs_m, offs_n, d_mask, n_q, n_k, 0, full_end, qk_scale_log2,
                       MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
-                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_tile_ptrs, v_tile_ptrs, stride_kn, stride_vn,
-                      offs_m, offs_n, d_mask, n_k, full_end, kv_end, qk_scale_log2,
+                      offs_m, offs_n, d_mask, n_q, n_k, full_end, kv_end, qk_scale_log2,
                       MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
-                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
 
-    dq = dq * scale  # dQ = scale · dS K
+    if MISTAKE != _DQ_NO_SCALE:
+        dq = dq * scale  # dQ = scale · dS K
     tl.store(tiles.tile_ptrs(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqn, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -236,7 +327,8 @@ def _launch(kernel, tuned, n_tiles_of, blocks, args, meta):
 
 
 def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
-                       dkdv_blocks: tuning.Blocks | None = None, dq_blocks: tuning.Blocks | None = None):
+                       dkdv_blocks: tuning.Blocks | None = None, dq_blocks: tuning.Blocks | None = None,
+                       *, out=None, mistake: str | None = None):
     """Gradients of attention w.r.t. q, k, v, on ``(B, H, N, d)`` views.
 
     Args:
@@ -245,9 +337,12 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
         causal, scale: as in the forward.
         dkdv_blocks, dq_blocks: force a launch config per kernel; None = interpreter default /
             the measured GPU table (autotune with COURSE_LIB_AUTOTUNE=1).
+        out: ``(dq, dk, dv)`` to write into (dk and dv with one layout), or None for new tensors.
+        mistake: one of :data:`MISTAKES` — chapter 07's check replays that learner mistake; the
+            library never sets it.
 
     Returns:
-        ``(dq, dk, dv)``, contiguous, shaped like q, k, v, in their dtype.
+        ``(dq, dk, dv)``, contiguous, shaped like q, k, v, in their dtype (``out`` when given).
     """
     interpreted = _rt.interpreted
     work = compute_dtype(q.dtype, interpreted)
@@ -262,10 +357,15 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK_M) * n_bh,)](
         ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, **meta, BLOCK_M=PREPROCESS_BLOCK_M)
 
-    dq = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    dk = torch.empty((batch, heads, n_k, d), dtype=work, device=q.device)
-    dv = torch.empty_like(dk)
+    if out is not None and all(x.dtype == work for x in out):
+        dq, dk, dv = out
+    else:
+        dq = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
+        dk = torch.empty((batch, heads, n_k, d), dtype=work, device=q.device)
+        dv = torch.empty_like(dk)
     meta.update(CAUSAL=bool(causal), DOT_PRECISION=precision)
+    if mistake is not None:
+        meta.update(MISTAKE=MISTAKE_CODES[mistake])
     common = (*qw.stride(), *kw.stride(), *vw.stride(), *dow.stride())
     scalars = (heads, n_q, n_k, scale, scale * LOG2_E_FLOAT)
     if interpreted:
@@ -280,4 +380,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
             (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), *scalars), meta)
     _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks,
             (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars), meta)
+    if out is not None:
+        for target, grad in zip(out, (dq, dk, dv)):
+            if target is not grad:
+                target.copy_(grad)
+        return out
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
