@@ -61,6 +61,229 @@ def test_crash_and_wrong_type_are_diagnosed():
 
 
 # ----------------------------------------------------------------------------------------------
+# Wrong answers written as learners write them (loops, other NumPy idioms, off-by-ones), each
+# with the cause its diagnosis must name, or None: no cause may be named (never a wrong one);
+# and right answers in other styles, which must pass.
+
+
+def _diagnosis(check, answer):
+    with pytest.raises(ExerciseFailed) as info:
+        check(answer)
+    return str(info.value)
+
+
+def _assert_cause(message, mistakes, cause):
+    named = [c for c in mistakes if f"likely cause: {c}" in message]
+    if cause is None:
+        assert not named and "likely cause" not in message, message
+        assert "two known mistakes reproduce" not in message, message
+    else:
+        assert named == [cause], message
+
+
+def _one(mistakes, start):
+    found = [c for c in mistakes if c.startswith(start)]
+    assert len(found) == 1, start
+    return found[0]
+
+
+def _cache_corpus():
+    c = ch08.CACHE_MISTAKES
+
+    def no_two(layers, n_heads, n_kv_heads, head_dim, seq_len, batch, nbytes):
+        total = 0
+        for _ in range(layers):
+            total += n_kv_heads * head_dim * seq_len * batch * nbytes
+        return total
+
+    return [
+        (no_two, _one(c, "the factor 2 is missing")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nh * hd * n * b * nb,
+         _one(c, "n_heads is used instead")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b, _one(c, "the result counts")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * nkv * hd * n * b * nb, _one(c, "the number of lay")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * nb, _one(c, "the batch is miss")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nh * nkv * hd * n * b * nb,
+         _one(c, "n_heads and n_kv_heads")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b * nb * 8, None),  # bits
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * (n + 1) * b * nb, None),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * n * b * nb, None),  # no head_dim
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b * nb / 2**30, None),  # GiB
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * (nh // nkv) * hd * n * b * nb, None),
+    ]
+
+
+def _combine_corpus():
+    c = ch08.COMBINE_MISTAKES
+
+    def loop_no_correction(m, l, o):
+        num = np.zeros(o.shape[1:])
+        den = np.zeros(l.shape[1:])
+        for s in range(len(m)):
+            num += l[s][..., None] * o[s]
+            den += l[s]
+        return num / den[..., None]
+
+    def global_max(m, l, o):
+        w = l * np.exp(m - np.max(m))
+        return np.sum(w[..., None] * o, axis=0) / np.sum(w, axis=0)[..., None]
+
+    def no_l(m, l, o):
+        w = np.exp(m - m.max(0))
+        return np.einsum("s...,s...d->...d", w, o) / w.sum(0)[..., None]
+
+    def no_max(m, l, o):
+        w = l * np.exp(m)
+        return (w[..., None] * o).sum(0) / w.sum(0)[..., None]
+
+    def flipped(m, l, o):
+        w = l * np.exp(np.max(m, axis=0, keepdims=True) - m)
+        return (w[..., None] * o).sum(0) / w.sum(0)[..., None]
+
+    def unnormalised(m, l, o):
+        w = l * np.exp(m - m.max(axis=0))
+        return (w[..., None] * o).sum(axis=0)
+
+    def best_only(m, l, o):
+        best = np.argmax(m, axis=0)
+        return np.take_along_axis(o, best[None, ..., None], axis=0)[0]
+
+    def rescaled_out_plain_sum(m, l, o):
+        c_ = np.exp(m - m.max(0))
+        return ((l * c_)[..., None] * o).sum(0) / l.sum(0)[..., None]
+
+    def double_l(m, l, o):
+        w = l * np.exp(m - m.max(0))
+        return (w[..., None] * l[..., None] * o).sum(0) / w.sum(0)[..., None]
+
+    def by_chunks(m, l, o):
+        w = l * np.exp(m - m.max(0))
+        return (w[..., None] * o).sum(0) / len(m)
+
+    def in_place(m, l, o):
+        m -= m.max(axis=0)
+        w = l * np.exp(m)
+        return (w[..., None] * o).sum(0) / w.sum(0)[..., None]
+
+    def mean_of_nonempty(m, l, o):
+        keep = (l > 0)[..., None]
+        return (o * keep).sum(0) / keep.sum(0)
+
+    return [
+        (loop_no_correction, _one(c, "the chunk outputs are weighted by l_s without")),
+        (lambda m, l, o: np.average(o, axis=0, weights=np.broadcast_to(l[..., None], o.shape)),
+         _one(c, "the chunk outputs are weighted by l_s without")),
+        (global_max, _one(c, "the max is taken over the whole array")),
+        (no_l, _one(c, "the outputs are weighted by exp(m_s − m) alone")),
+        (no_max, _one(c, "the weights are l_s · exp(m_s) with no max")),
+        (flipped, _one(c, "the correction has the wrong sign")),
+        (unnormalised, _one(c, "the weighted sum is not divided")),
+        (best_only, _one(c, "only the chunk with the largest max")),
+        (rescaled_out_plain_sum, _one(c, "the outputs are rescaled by exp(m_s − m) but")),
+        (lambda m, l, o: o.mean(axis=0), _one(c, "the chunk outputs are simply averaged")),
+        (double_l, None),
+        (by_chunks, None),
+        (in_place, None),
+        (mean_of_nonempty, None),
+    ]
+
+
+def _combine_valid():
+    def running_merge(m, l, o):  # chapter 03's two-state merge, one chunk at a time
+        m_run = np.full(m.shape[1:], -np.inf)
+        l_run = np.zeros(l.shape[1:])
+        o_run = np.zeros(o.shape[1:])
+        for s in range(len(m)):
+            m_new = np.maximum(m_run, m[s])
+            with np.errstate(invalid="ignore"):
+                a = np.where(np.isneginf(m_run), 0.0, np.exp(m_run - m_new))
+                b = np.where(np.isneginf(m[s]), 0.0, np.exp(m[s] - m_new))
+            l_new = l_run * a + l[s] * b
+            o_run = (o_run * (l_run * a)[..., None] + o[s] * (l[s] * b)[..., None]) \
+                / np.where(l_new > 0, l_new, 1)[..., None]
+            m_run, l_run = m_new, l_new
+        return o_run
+
+    def base_two(m, l, o):
+        log2e = 1 / np.log(2)
+        w = l * np.exp2((m - m.max(axis=0)) * log2e)
+        return np.einsum("s...,s...d->...d", w, o) / w.sum(axis=0)[..., None]
+
+    def guarded(m, l, o):
+        m_max = m.max(axis=0, keepdims=True)
+        w = np.where(l > 0, l * np.exp(m - m_max), 0.0)
+        return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[..., None]
+
+    def via_lse(m, l, o):
+        with np.errstate(divide="ignore"):
+            lse = m + np.log(l)  # -inf for an empty chunk
+        w = np.exp(lse - lse.max(axis=0))
+        return (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[..., None]
+
+    return [running_merge, base_two, guarded, via_lse]
+
+
+def _head_corpus():
+    c = ch08.HEAD_MISTAKES
+    return [
+        (lambda h, n, nkv: h % nkv, _one(c, "h % n_kv_heads interleaves")),
+        (lambda h, n, nkv: np.floor_divide(h, nkv), _one(c, "h // n_kv_heads divides")),
+        (lambda h, n, nkv: h % (n // nkv), _one(c, "h % group gives")),
+        (lambda h, n, nkv: h * (n // nkv), _one(c, "h * group maps")),
+        (lambda h, n, nkv: np.floor(h / (n // nkv)), None),  # float indices
+        (lambda h, n, nkv: np.round(h / (n // nkv)).astype(h.dtype), None),
+        (lambda h, n, nkv: (nkv - 1) - h // (n // nkv), None),
+        (lambda h, n, nkv: h // (n // nkv + 1), None),
+        (lambda h, n, nkv: h >> 1, None),
+        (lambda h, n, nkv: np.minimum(h, nkv - 1), None),
+    ]
+
+
+def _head_valid():
+    def loop(h, n_heads, n_kv_heads):
+        group = n_heads // n_kv_heads
+        return np.array([x // group for x in h.ravel()], dtype=h.dtype).reshape(h.shape)
+
+    return [lambda h, n, nkv: h * nkv // n, loop,
+            lambda h, n, nkv: (h / (n // nkv)).astype(h.dtype),
+            lambda h, n, nkv: np.floor_divide(h, n // nkv)]
+
+
+NUMPY_CORPORA = {
+    "8.1": (ch08.check_kv_cache_bytes, ch08.CACHE_MISTAKES, _cache_corpus()),
+    "8.2": (ch08.check_combine_splits, ch08.COMBINE_MISTAKES, _combine_corpus()),
+    "8.3": (ch08.check_kv_head_for, ch08.HEAD_MISTAKES, _head_corpus()),
+}
+
+
+@pytest.mark.parametrize("exercise, i", [(e, i) for e, (_, _, corpus) in NUMPY_CORPORA.items()
+                                         for i in range(len(corpus))])
+def test_learner_wrong_answers_are_rejected_and_never_misdiagnosed(exercise, i):
+    check, mistakes, corpus = NUMPY_CORPORA[exercise]
+    answer, cause = corpus[i]
+    message = _diagnosis(check, answer)
+    assert message.startswith(f"✗ Exercise {exercise}"), message
+    _assert_cause(message, mistakes, cause)
+
+
+@pytest.mark.parametrize("exercise, answer", [
+    *[("8.2", a) for a in _combine_valid()], *[("8.3", a) for a in _head_valid()],
+    ("8.1", lambda L, nh, nkv, hd, n, b, nb: 2 * L * nh * hd * n * b * nb * nkv // nh),
+    ("8.1", lambda L, nh, nkv, hd, n, b, nb: 2.0 * L * nkv * hd * n * b * nb),
+    ("8.1", lambda L, nh, nkv, hd, n, b, nb: L * 2 * (nkv * hd) * (n * b) * nb)])
+def test_right_answers_in_other_styles_pass(exercise, answer, capsys):
+    check = NUMPY_CORPORA[exercise][0]
+    assert check(answer) is answer
+    assert f"Exercise {exercise}: passed" in capsys.readouterr().out
+
+
+def test_combine_cases_include_rows_far_apart():
+    cases = ch08._combine_cases()
+    spreads = [np.ptp(c.args[0][np.isfinite(c.args[0])]) for c in cases]
+    assert max(spreads) >= 1000  # two rows 1200 apart: a max over the whole array fails
+
+
+# ----------------------------------------------------------------------------------------------
 # Exercise 8.4: the split kernel of flash-decoding. The corpus is one kernel written as a learner
 # would (its own pointer arithmetic, exp2, the online softmax) with a constexpr MISTAKE switch:
 # RIGHT and VALID_* are right answers in other styles, every other value one learner's mistake.
