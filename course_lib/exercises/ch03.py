@@ -19,6 +19,16 @@ from course_lib.checks import learner_check
 from course_lib import softmax
 from course_lib.checks import Case, check_function
 
+
+def _quiet(model):
+    """A mistake model that computes its NaN/inf without NumPy warnings (the check replays models
+    after the learner's run: their warnings would only clutter the notebook)."""
+    def quiet(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return model(*args, **kwargs)
+    quiet.__name__ = getattr(model, "__name__", "mistake")
+    return quiet
+
 # ----------------------------------------------------------------------------------------------
 # Exercise 3.1: online_update(m, l, x_tile) -> (m_new, l_new)
 # ----------------------------------------------------------------------------------------------
@@ -100,6 +110,7 @@ UPDATE_MISTAKES = {
     "the correction exp(m - m_new) also multiplies the tile's sum: the tile is already relative "
     "to m_new; only the old l needs it": _update_tile_sum_rescaled,
 }
+UPDATE_MISTAKES = {cause: _quiet(model) for cause, model in UPDATE_MISTAKES.items()}
 
 
 def _update_cases() -> list[Case]:
@@ -261,6 +272,7 @@ MERGE_MISTAKES = {
     "the merged l is l_a + l_b: each part's sum must be rescaled to the common max first, "
     "l = l_a exp(m_a - m) + l_b exp(m_b - m) (o was merged right)": _merge_l_not_rescaled,
 }
+MERGE_MISTAKES = {cause: _quiet(model) for cause, model in MERGE_MISTAKES.items()}
 
 
 def _merge_cases() -> list[Case]:
@@ -399,6 +411,7 @@ ONLINE_SOFTMAX_MISTAKES = {
     "the weights are written during the first pass, with the max and sum of the tiles seen so "
     "far: normalise after the last tile, with the final m and l": _skeleton(normalise_at_end=False),
 }
+ONLINE_SOFTMAX_MISTAKES = {cause: _quiet(model) for cause, model in ONLINE_SOFTMAX_MISTAKES.items()}
 
 
 def _online_softmax_cases() -> list[Case]:
