@@ -1,9 +1,11 @@
-"""Exercise checks of chapter 07: correct answers pass, stubs fall back, and realistic wrong
-answers are rejected with their likely cause named (issue 9's corpus for the backward pass).
+"""Exercise checks of chapter 07, NumPy exercises 7.1–7.4: correct answers in several styles
+pass, stubs fall back, and realistic wrong answers are rejected with the right cause named or
+no cause at all — never a wrong one (issue 19's corpus; 7.5 and 7.6 are in
+test_exercises_ch07_kernels.py).
 
-The wrong answers here are written independently of ch07's mistake models (a learner's NumPy
-backward, learner kernels in the transposed exp2 layout, learner autograd Functions), so a
-named cause means the check recognised the mistake, not its own code."""
+The wrong answers here are written independently of ch07's mistake models (loops, other NumPy
+idioms, masks applied after the exp, ...), so a named cause means the check recognised the
+mistake, not its own code."""
 
 from __future__ import annotations
 
@@ -14,16 +16,11 @@ from course_lib import runtime
 
 runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import time  # noqa: E402
 
 from course_lib import tiled_backward as tb  # noqa: E402
 from course_lib.checks import ExerciseFailed  # noqa: E402
 from course_lib.exercises import ch07  # noqa: E402
-from course_lib.kernels.api import FlashAttentionFunction  # noqa: E402
-from course_lib.kernels.forward import attention_forward  # noqa: E402
-from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
 pytestmark = pytest.mark.ch07
 
@@ -33,12 +30,15 @@ def stub(*args, **kwargs):
 
 
 def assert_rejected(check, fn, cause: str | None):
-    """The check raises ExerciseFailed; when ``cause`` is given, the message names it."""
+    """The check raises ExerciseFailed; when ``cause`` is given, the message names it as the
+    likely cause; when None, it names no cause at all (never a wrong one)."""
     with pytest.raises(ExerciseFailed) as info:
         check(fn)
     message = str(info.value)
     if cause is not None:
         assert "likely cause" in message and cause in message, message
+    else:
+        assert "likely cause" not in message and "two known mistakes" not in message, message
     return message
 
 
@@ -83,7 +83,41 @@ def d_wrong_axis(o, do):
     return np.sum(o * do, axis=-2)
 
 
-@pytest.mark.parametrize("fn", [tb.compute_d, d_einsum, d_loop])
+def d_do_squared(o, do):
+    return (do ** 2).sum(axis=-1)
+
+
+def d_sum_times_sum(o, do):
+    return o.sum(-1) * do.sum(-1)
+
+
+def d_in_place(o, do):
+    do *= o  # reuses the caller's array
+    return do.sum(axis=-1)
+
+
+def d_float32(o, do):
+    return np.sum(o * do, axis=-1).astype(np.float32)
+
+
+def d_scalar(o, do):
+    return float(np.vdot(o, do))
+
+
+def d_vdot_rows(o, do):
+    """Correct: one np.dot per row, over any leading dims."""
+    out = np.empty(o.shape[:-1], dtype=np.result_type(o, do))
+    for idx in np.ndindex(*o.shape[:-1]):
+        out[idx] = np.dot(o[idx], do[idx])
+    return out
+
+
+def d_matmul_diag(o, do):
+    """Correct: the diagonal of dO Oᵀ per head (wasteful, but right)."""
+    return np.diagonal(do @ np.swapaxes(o, -1, -2), axis1=-2, axis2=-1).copy()
+
+
+@pytest.mark.parametrize("fn", [tb.compute_d, d_einsum, d_loop, d_vdot_rows, d_matmul_diag])
 def test_compute_d_correct_answers_pass(fn, capsys):
     assert ch07.check_compute_d(fn) is fn
     assert "passed" in capsys.readouterr().out
@@ -97,11 +131,16 @@ def test_compute_d_correct_answers_pass(fn, capsys):
     (d_keepdims, None),  # shape (..., N_q, 1): the message reports the shape instead
     (d_matmul, None),
     (d_wrong_axis, None),
+    (d_do_squared, "multiplied dO by itself"),
+    (d_sum_times_sum, "D is the product of two row sums"),
+    (d_in_place, None),  # "changed its input `do` in place"
+    (d_float32, None),  # dtype float32 where float64 is expected
+    (d_scalar, None),
 ])
 def test_compute_d_mistakes_are_rejected(fn, cause):
     message = assert_rejected(ch07.check_compute_d, fn, cause)
     if cause is None:
-        assert "shape" in message
+        assert any(word in message for word in ("shape", "in place", "dtype", "expected an array")), message
 
 
 # ---- Exercise 7.2: ds_tile(p, dp, d) -> (BLOCK_M, BLOCK_N) -----------------------------------
@@ -135,7 +174,29 @@ def ds_matmul(p, dp, d):
     return p @ (dp - d[:, None])
 
 
-@pytest.mark.parametrize("fn", [tb.ds_tile, ds_expanded])
+def ds_in_place(p, dp, d):
+    dp -= d[:, None]  # edits the caller's dp
+    return p * dp
+
+
+def ds_einsum(p, dp, d):
+    """Correct: the broadcast written as an outer product with a row of ones."""
+    return p * (dp - np.outer(d, np.ones(dp.shape[1], dtype=dp.dtype)))
+
+
+def ds_loop(p, dp, d):
+    """Correct: row by row."""
+    out = np.empty_like(p)
+    for r in range(p.shape[0]):
+        out[r] = p[r] * (dp[r] - d[r])
+    return out
+
+
+def ds_mean_d(p, dp, d):
+    return p * (dp - d.mean())
+
+
+@pytest.mark.parametrize("fn", [tb.ds_tile, ds_expanded, ds_einsum, ds_loop])
 def test_ds_tile_correct_answers_pass(fn):
     assert ch07.check_ds_tile(fn) is fn
 
@@ -147,6 +208,8 @@ def test_ds_tile_correct_answers_pass(fn):
     (ds_row_broadcast, "D is broadcast along the wrong axis"),
     (ds_no_p, "the product with P is missing"),
     (ds_matmul, "used a matrix product"),
+    (ds_in_place, None),  # changed its input `dp` in place
+    (ds_mean_d, None),
 ])
 def test_ds_tile_mistakes_are_rejected(fn, cause):
     assert_rejected(ch07.check_ds_tile, fn, cause)
@@ -238,12 +301,56 @@ def step_dk_uses_ds(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=Non
     return dk_j + scale * ds @ q_i, dv_j + p.T @ do_i
 
 
+def step_unscaled_scores(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+    p = np.exp(q_i @ k_j.T - lse_i[:, None])  # forgot the scale inside the exp
+    if mask is not None:
+        p = p * mask
+    ds = p * (do_i @ v_j.T - d_i[:, None])
+    return dk_j + scale * ds.T @ q_i, dv_j + p.T @ do_i
+
+
+def step_softmax_nan_to_num(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+    s = scale * q_i @ k_j.T
+    if mask is not None:
+        s[~mask] = -np.inf
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=1)[:, None])
+        p = np.nan_to_num(e / e.sum(axis=1)[:, None])
+    ds = p * (do_i @ v_j.T - d_i[:, None])
+    return dk_j + scale * ds.T @ q_i, dv_j + p.T @ do_i
+
+
+def step_exp_of_difference(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+    """Correct: exp(s) / exp(lse) is the same number — until the scores are in the hundreds."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.exp(scale * q_i @ k_j.T) / np.exp(lse_i)[:, None]
+    if mask is not None:
+        p = np.where(mask, p, 0.0)
+    ds = p * (do_i @ v_j.T - d_i[:, None])
+    return dk_j + scale * ds.T @ q_i, dv_j + p.T @ do_i
+
+
+def step_loops(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+    """Correct: one (query, key) pair at a time."""
+    dk, dv = dk_j.copy(), dv_j.copy()
+    for r in range(q_i.shape[0]):
+        for c in range(k_j.shape[0]):
+            if mask is not None and not mask[r, c]:
+                continue
+            p = np.exp(scale * q_i[r] @ k_j[c] - lse_i[r])
+            dv[c] += p * do_i[r]
+            ds = p * (do_i[r] @ v_j[c] - d_i[r])
+            dk[c] += scale * ds * q_i[r]
+    return dk, dv
+
+
 def step_swapped_outputs(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
     dk, dv = tb.dk_dv_step(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask)
     return dv, dk
 
 
-@pytest.mark.parametrize("fn", [tb.dk_dv_step, step_in_place, step_transposed])
+@pytest.mark.parametrize("fn", [tb.dk_dv_step, step_in_place, step_transposed, step_loops,
+                                step_exp_of_difference])
 def test_dk_dv_step_correct_answers_pass(fn):
     assert ch07.check_dk_dv_step(fn) is fn
 
@@ -259,6 +366,8 @@ def test_dk_dv_step_correct_answers_pass(fn):
     (step_overwrites, "the accumulators are overwritten"),
     (step_dk_uses_ds, "dK uses dS instead of dSᵀ"),
     (step_swapped_outputs, None),
+    (step_unscaled_scores, "the scores are not scaled when P is rebuilt"),
+    (step_softmax_nan_to_num, "rows that see none of the tile's keys set to 0"),
 ])
 def test_dk_dv_step_mistakes_are_rejected(fn, cause):
     assert_rejected(ch07.check_dk_dv_step, fn, cause)
@@ -343,24 +452,38 @@ def learner_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n, bug=N
         cols = np.arange(j * block_n, min((j + 1) * block_n, n_k))
         for i in range(-(-n_q // block_m)):
             rows = np.arange(i * block_m, min((i + 1) * block_m, n_q))
-            if causal and rows[-1] < cols[0]:
+            if bug == "skip_by_index":
+                if causal and j > i:
+                    continue
+            elif causal and rows[-1] < cols[0]:
                 continue
-            s = scale * q[rows] @ k[cols].T
-            if bug == "tile_softmax":
+            s = (1.0 if bug == "unscaled" else scale) * q[rows] @ k[cols].T
+            if bug in ("tile_softmax", "tile_softmax_nan"):
                 if causal:
                     s = np.where(cols[None, :] <= rows[:, None], s, -np.inf)
                 with np.errstate(invalid="ignore"):
                     p = np.exp(s - s.max(1, keepdims=True))
-                    p = np.nan_to_num(p / p.sum(1, keepdims=True))
+                    p = p / p.sum(1, keepdims=True)
+                    if bug == "tile_softmax":
+                        p = np.nan_to_num(p)
             else:
-                p = np.exp(s - lse[rows][:, None])
-                if causal and bug != "no_mask":
+                with np.errstate(over="ignore"):
+                    p = np.exp(s) if bug == "no_lse" else np.exp(s - lse[rows][:, None])
+                if causal and bug == "tril":
+                    p = p * np.tril(np.ones_like(p))
+                elif causal and bug != "no_mask":
                     p[cols[None, :] > rows[:, None]] = 0.0
             dp = do[rows] @ v[cols].T
+            if bug == "dv_from_o":
+                dv[cols] += p.T @ o[rows] - p.T @ do[rows]  # dO and O mixed up
             d_rows = (p * dp).sum(1) if bug == "d_from_tile" else big_d[rows]
-            ds = p * (dp - d_rows[:, None])
-            dv[cols] += (p @ do[rows]) if bug == "dv_p" else (p.T @ do[rows])
-            dk[cols] += (ds.T @ q[rows]) * (1.0 if bug == "dk_no_scale" else scale)
+            ds = p * (d_rows[:, None] - dp) if bug == "ds_sign" else p * (dp - d_rows[:, None])
+            if bug == "dkdv_assign":
+                dv[cols] = p.T @ do[rows]
+                dk[cols] = (ds.T @ q[rows]) * scale
+            else:
+                dv[cols] += (p @ do[rows]) if bug == "dv_p" else (p.T @ do[rows])
+                dk[cols] += (ds.T @ q[rows]) * (1.0 if bug == "dk_no_scale" else scale)
             contribution = (ds @ k[cols]) * (1.0 if bug == "dq_no_scale" else scale)
             if bug == "dq_overwrite":
                 dq[rows] = contribution
@@ -380,8 +503,43 @@ def backward_two_pass(q, k, v, o, lse, do, causal, scale, block_m, block_n):
     return tb.tiled_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n)
 
 
-@pytest.mark.parametrize("fn", [backward_with(None), backward_two_pass,
-                                lambda *a: ch07._backward_variant(*a)])
+def backward_q_outer(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    """Correct, FlashAttention-1's order: Q tiles outside, dk and dv added into full arrays,
+    exp2 with log2-unit scores, the mask built with np.triu."""
+    log2e = 1.0 / np.log(2.0)
+    n_q, n_k = q.shape[0], k.shape[0]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    delta = (o * do).sum(axis=1)
+    for q0 in range(0, n_q, block_m):
+        q1 = min(q0 + block_m, n_q)
+        for k0 in range(0, n_k, block_n):
+            k1 = min(k0 + block_n, n_k)
+            if causal and k0 > q1 - 1:
+                break  # every later tile is further right
+            s2 = (q[q0:q1] @ k[k0:k1].T) * (scale * log2e)
+            if causal:
+                hidden = np.triu(np.ones((q1 - q0, k1 - k0), dtype=bool), k=q0 - k0 + 1)
+                s2[hidden] = -np.inf
+            p = np.exp2(s2 - lse[q0:q1, None] * log2e)
+            dv[k0:k1] += p.T @ do[q0:q1]
+            ds = p * (do[q0:q1] @ v[k0:k1].T - delta[q0:q1, None])
+            dq[q0:q1] += scale * ds @ k[k0:k1]
+            dk[k0:k1] += scale * ds.T @ q[q0:q1]
+    return dq, dk, dv
+
+
+def backward_untiled_rows(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    """Correct but ignores the tiles: whole rows of P at once (the check judges values)."""
+    s = scale * q @ k.T
+    if causal:
+        s = np.where(np.arange(k.shape[0])[None, :] <= np.arange(q.shape[0])[:, None], s, -np.inf)
+    p = np.exp(s - lse[:, None])
+    ds = p * (do @ v.T - np.einsum("ij,ij->i", o, do)[:, None])
+    return (scale * ds @ k).astype(q.dtype), (scale * ds.T @ q).astype(k.dtype), (p.T @ do).astype(v.dtype)
+
+
+@pytest.mark.parametrize("fn", [backward_with(None), backward_two_pass, backward_q_outer,
+                                backward_untiled_rows, lambda *a: ch07._backward_variant(*a)])
 def test_flash_backward_correct_answers_pass(fn, capsys):
     assert ch07.check_flash_backward(fn) is fn
     assert "✓ Exercise 7.4: passed" in capsys.readouterr().out
@@ -391,11 +549,19 @@ def test_flash_backward_correct_answers_pass(fn, capsys):
     ("dk_no_scale", "the scale is missing from dK"),
     ("dq_no_scale", "the scale is missing from dQ"),
     ("d_from_tile", "D was computed from this tile's P ∘ dP"),
-    ("tile_softmax", "P was rebuilt with a softmax over this tile alone"),
+    ("tile_softmax", "rows that see none of the tile's keys set to 0"),
     ("dv_p", "dV uses P instead of Pᵀ"),
     ("no_mask", "the causal mask is not applied"),
     ("dq_overwrite", "dQ is overwritten, not accumulated"),
     ("drop_tail", "the last, shorter K/V tile is dropped"),
+    ("tile_softmax_nan", "P was rebuilt with a softmax over this tile alone: the tile"),
+    ("skip_by_index", "tiles are skipped by comparing tile numbers"),
+    ("unscaled", "the scores are not scaled when P is rebuilt"),
+    ("no_lse", "P = exp(S) without subtracting the saved lse"),
+    ("tril", "the causal mask is the tile's own lower triangle"),
+    ("ds_sign", "the sign of dS is flipped"),
+    ("dkdv_assign", "dk_j, dv_j are overwritten in the Q loop"),
+    ("dv_from_o", None),
 ])
 def test_flash_backward_mistakes_are_rejected(bug, cause):
     assert_rejected(ch07.check_flash_backward, backward_with(bug), cause)
@@ -404,7 +570,7 @@ def test_flash_backward_mistakes_are_rejected(bug, cause):
 def test_flash_backward_diagnosis_names_case_gradient_row_and_tile():
     message = assert_rejected(ch07.check_flash_backward, backward_with("drop_tail"),
                               "the last, shorter K/V tile is dropped")
-    assert "case 3 of 5" in message and "N_q=45, N_k=38" in message  # the first ragged case
+    assert "case 3 of 6" in message and "N_q=45, N_k=38" in message  # the first ragged case
     # every gradient is wrong from query row 36 on (the dropped keys 36, 37 are visible there)
     assert "dq is wrong" in message and "also wrong: dk, dv" in message
     assert "first bad row 36" in message and "Q tile 2 (rows 32..44, block_m=16)" in message
@@ -420,333 +586,3 @@ def test_flash_backward_stub_and_crash(capsys):
         return dq, dk  # forgot dv
 
     assert "expected a tuple of 3 values" in assert_rejected(ch07.check_flash_backward, shape_bug, None)
-
-
-# ---- Exercise 7.5: the backward kernels ------------------------------------------------------
-# A learner's kernels written independently of ch07's answer key: dK/dV in the transposed
-# layout (keys along the rows, as the library does), exp2 with the scale folded in. ``BUG``
-# switches on one mistake; WithBug binds it at launch, so the check sees an ordinary kernel.
-
-
-@triton.jit
-def learner_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
-                 stride_qb, stride_qh, stride_qn, stride_qd,
-                 stride_kb, stride_kh, stride_kn, stride_kd,
-                 stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_dob, stride_doh, stride_don, stride_dod,
-                 stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                 n_heads, n_q, n_k, scale,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUG: tl.constexpr = ""):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    keys = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    key_ok = keys < n_k
-    k = tl.load(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_kn + d[None, :] * stride_kd,
-                mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + keys[:, None] * stride_vn + d[None, :] * stride_vd,
-                mask=key_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    start = 0
-    if CAUSAL:
-        start = (pid * BLOCK_N // BLOCK_M) * BLOCK_M
-    for m0 in range(start, n_q, BLOCK_M):
-        qs = m0 + tl.arange(0, BLOCK_M)
-        q_ok = qs < n_q
-        if BUG == "unmasked_load":
-            q = tl.load(Q + b * stride_qb + h * stride_qh + qs[:, None] * stride_qn + d[None, :] * stride_qd)
-        else:
-            q = tl.load(Q + b * stride_qb + h * stride_qh + qs[:, None] * stride_qn + d[None, :] * stride_qd,
-                        mask=q_ok[:, None], other=0.0)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + qs[:, None] * stride_don + d[None, :] * stride_dod,
-                     mask=q_ok[:, None], other=0.0)
-        lse = tl.load(LSE + bh * n_q + qs, mask=q_ok, other=0.0)
-        delta = tl.load(DELTA + bh * n_q + qs, mask=q_ok, other=0.0)
-        s_t = tl.dot(k, tl.trans(q)) * (scale * LOG2_E)  # (BLOCK_N, BLOCK_M), log2 units
-        if BUG == "exp2_lse_natural":
-            p_t = tl.math.exp2(s_t - lse[None, :])
-        else:
-            p_t = tl.math.exp2(s_t - lse[None, :] * LOG2_E)
-        ok = q_ok[None, :] & key_ok[:, None]
-        if CAUSAL:
-            if BUG != "no_causal_mask":
-                ok = ok & (keys[:, None] <= qs[None, :])
-        p_t = tl.where(ok, p_t, 0.0)
-        if BUG == "dv_p":
-            dv += tl.dot(tl.trans(p_t).to(do.dtype), do)
-        else:
-            dv += tl.dot(p_t.to(do.dtype), do)
-        dp_t = tl.dot(v, tl.trans(do))
-        if BUG == "d_from_tile":
-            delta = tl.sum(p_t * dp_t, axis=0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
-    if BUG != "dk_no_scale":
-        dk *= scale
-    ptrs = b * stride_dkb + h * stride_dkh + keys[:, None] * stride_dkn + d[None, :] * stride_dkd
-    if BUG == "unmasked_store":
-        tl.store(DK + ptrs, dk.to(DK.dtype.element_ty))
-    else:
-        tl.store(DK + ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
-
-
-@triton.jit
-def learner_dq(Q, K, V, DO, LSE, DELTA, DQ,
-               stride_qb, stride_qh, stride_qn, stride_qd,
-               stride_kb, stride_kh, stride_kn, stride_kd,
-               stride_vb, stride_vh, stride_vn, stride_vd,
-               stride_dob, stride_doh, stride_don, stride_dod,
-               stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-               n_heads, n_q, n_k, scale,
-               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUG: tl.constexpr = ""):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    qs = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    q_ok = qs < n_q
-    q = tl.load(Q + b * stride_qb + h * stride_qh + qs[:, None] * stride_qn + d[None, :] * stride_qd,
-                mask=q_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + qs[:, None] * stride_don + d[None, :] * stride_dod,
-                 mask=q_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh * n_q + qs, mask=q_ok, other=0.0)
-    delta = tl.load(DELTA + bh * n_q + qs, mask=q_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    end = n_k
-    if CAUSAL:
-        end = tl.minimum(n_k, pid * BLOCK_M + BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        key_ok = keys < n_k
-        k = tl.load(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_kn + d[None, :] * stride_kd,
-                    mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + b * stride_vb + h * stride_vh + keys[:, None] * stride_vn + d[None, :] * stride_vd,
-                    mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * (scale * LOG2_E)
-        if BUG == "exp2_lse_natural":
-            p = tl.math.exp2(s - lse[:, None])
-        else:
-            p = tl.math.exp2(s - lse[:, None] * LOG2_E)
-        ok = q_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            if BUG != "no_causal_mask":
-                ok = ok & (keys[None, :] <= qs[:, None])
-        p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        if BUG == "d_from_tile":
-            delta = tl.sum(p * dp, axis=1)
-        ds = p * (dp - delta[:, None])
-        if BUG == "dq_overwrite":
-            dq = tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
-    if BUG != "dq_no_scale":
-        dq *= scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + qs[:, None] * stride_dqn + d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
-
-
-class WithBug:
-    """``kernel[grid](...)`` with ``BUG=bug`` added: a learner's kernel with one mistake."""
-
-    def __init__(self, kernel, bug):
-        self.kernel, self.bug = kernel, bug
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, BUG=self.bug, **kwargs)
-
-
-def learner_kernels(bug=""):
-    return WithBug(learner_dkdv, bug), WithBug(learner_dq, bug)
-
-
-@triton.jit
-def stub_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
-              stride_qb, stride_qh, stride_qn, stride_qd,
-              stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_dob, stride_doh, stride_don, stride_dod,
-              stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-              n_heads, n_q, n_k, scale,
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    raise NotImplementedError("Exercise 7.5")
-
-
-@triton.jit
-def stub_dq(Q, K, V, DO, LSE, DELTA, DQ,
-            stride_qb, stride_qh, stride_qn, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_dob, stride_doh, stride_don, stride_dod,
-            stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-            n_heads, n_q, n_k, scale,
-            HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    raise NotImplementedError("Exercise 7.5")
-
-
-def test_backward_kernels_correct_answers_pass(capsys):
-    assert ch07.check_backward_kernels(ch07.dkdv_kernel, ch07.dq_kernel) == (ch07.dkdv_kernel, ch07.dq_kernel)
-    pair = learner_kernels()
-    assert ch07.check_backward_kernels(*pair) == pair
-    assert capsys.readouterr().out.count("✓ Exercise 7.5: passed (6 cases)") == 2
-
-
-def test_backward_kernel_stubs_fall_back(capsys):
-    assert ch07.check_backward_kernels(stub_dkdv, stub_dq) == (ch07.dkdv_kernel, ch07.dq_kernel)
-    assert "not done yet" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("bug,cause", [
-    ("dk_no_scale", "the scale is missing from dK"),
-    ("dq_no_scale", "the scale is missing from dQ"),
-    ("d_from_tile", "DELTA was recomputed from this tile's P ∘ dP"),
-    ("no_causal_mask", "the causal mask is missing in the backward"),
-    ("dv_p", "dV uses P instead of Pᵀ"),
-    ("dq_overwrite", "dq is overwritten in the K/V loop"),
-    ("exp2_lse_natural", "exp2 with the scores in log2 units but lse in natural-log units"),
-])
-def test_backward_kernel_mistakes_are_rejected(bug, cause):
-    assert_rejected(lambda pair: ch07.check_backward_kernels(*pair), learner_kernels(bug), cause)
-
-
-@pytest.mark.parametrize("bug,expected", [
-    ("unmasked_load", "depends on memory outside the inputs"),
-    ("unmasked_store", "wrote"),
-])
-def test_backward_kernel_ragged_tails_are_caught_by_the_guards(bug, expected):
-    message = assert_rejected(lambda pair: ch07.check_backward_kernels(*pair), learner_kernels(bug), None)
-    assert expected in message and "ragged" in message and "Traceback" not in message
-
-
-def test_backward_kernel_diagnosis_is_one_short_message():
-    message = assert_rejected(lambda pair: ch07.check_backward_kernels(*pair),
-                              learner_kernels("no_causal_mask"), "the causal mask is missing")
-    assert "case 2 of 6" in message and "causal" in message and "N_q=45" in message
-    assert "dq is wrong" in message and "first bad row 0 (batch 0, head 0)" in message
-    assert "Q tile 0 (rows 0..15, block_m=16)" in message and "max abs error" in message
-    assert len(message.splitlines()) <= 6
-
-
-# ---- Exercise 7.6: the autograd Function -----------------------------------------------------
-
-class GoodFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ch07.launch_backward(*learner_kernels(), q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
-
-
-class SwappedGradients(GoodFunction):
-    @staticmethod
-    def backward(ctx, do):
-        dq, dk, dv, _, _ = GoodFunction.backward(ctx, do)
-        return dk, dq, dv, None, None
-
-
-class NoNones(GoodFunction):
-    @staticmethod
-    def backward(ctx, do):
-        return GoodFunction.backward(ctx, do)[:3]
-
-
-class NoSave(GoodFunction):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-
-class ReturnsLse(GoodFunction):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o, lse
-
-
-class SavesReshapedO(GoodFunction):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
-        b, h, n, d = o.shape
-        o_bnhd = o.transpose(1, 2).contiguous()  # (B, N, H, d), e.g. to merge the heads
-        ctx.save_for_backward(q, k, v, o_bnhd.view(b, h, n, d), lse)  # view, not transpose, back
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-
-class ForgetsCausal(GoodFunction):
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*ch07.launch_backward(*learner_kernels(), q, k, v, o, lse, do, False, ctx.scale),
-                None, None)
-
-
-class DefaultScale(GoodFunction):
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*ch07.launch_backward(*learner_kernels(), q, k, v, o, lse, do, ctx.causal,
-                                      q.shape[-1] ** -0.5), None, None)
-
-
-class StubFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        raise NotImplementedError("Exercise 7.6")
-
-    @staticmethod
-    def backward(ctx, do):
-        raise NotImplementedError("Exercise 7.6")
-
-
-def test_autograd_function_correct_answer_passes_and_trains(capsys):
-    assert ch07.check_autograd_function(GoodFunction) is GoodFunction
-    out = capsys.readouterr().out
-    assert "✓ Exercise 7.6: passed (5 gradient cases; the tiny LM trains like SDPA" in out
-
-
-def test_autograd_function_stub_falls_back_to_the_library(capsys):
-    assert ch07.check_autograd_function(StubFunction) is FlashAttentionFunction
-    assert "not done yet" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn_cls,cause", [
-    (SwappedGradients, "backward returns the gradients in the wrong order"),
-    (SavesReshapedO, "the o saved for backward is not laid out like the forward's"),
-    (ForgetsCausal, "backward ignores causal"),
-    (DefaultScale, "backward uses 1/√d instead of the forward's scale"),
-])
-def test_autograd_function_mistakes_are_rejected(fn_cls, cause):
-    assert_rejected(ch07.check_autograd_function, fn_cls, cause)
-
-
-@pytest.mark.parametrize("fn_cls,expected", [
-    (NoSave, "no saved tensors found — save them with ctx.save_for_backward"),
-    (NoNones, "return dq, dk, dv, None, None"),
-    (ReturnsLse, "forward must return o alone"),
-])
-def test_autograd_function_glue_errors_are_named(fn_cls, expected):
-    message = assert_rejected(ch07.check_autograd_function, fn_cls, None)
-    assert expected in message and "case 1 of 5" in message and "Traceback" not in message

@@ -36,6 +36,7 @@ mistake that reproduces the answer on the same input.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -56,14 +57,14 @@ import triton.language as tl  # noqa: E402
 from course_lib import kernel_checks  # noqa: E402
 from course_lib.kernels import backward  # noqa: E402
 from course_lib.kernels import forward as forward_kernel  # noqa: E402
-from course_lib.kernels.tiles import LOG2_E  # noqa: E402
+from course_lib.kernels import tuning  # noqa: E402
 
 __all__ = ["D_MISTAKES", "DS_MISTAKES", "DK_DV_MISTAKES", "d_cases", "ds_cases", "dk_dv_cases",
            "check_compute_d", "check_ds_tile", "check_dk_dv_step",
            "BACKWARD_MISTAKES", "BACKWARD_HINTS", "BACKWARD_SKELETON", "backward_cases",
            "check_flash_backward",
-           "KERNEL_MISTAKES", "KERNEL_HINTS", "KERNEL_SKELETON", "kernel_cases", "dkdv_kernel",
-           "dq_kernel", "launch_backward", "reference_gradients", "check_backward_kernels",
+           "KERNEL_MISTAKES", "KERNEL_HINTS", "KERNEL_SKELETON", "kernel_cases", "launch_backward",
+           "reference_gradients", "check_backward_kernels",
            "FUNCTION_MISTAKES", "FUNCTION_HINTS", "FUNCTION_SKELETON", "function_cases",
            "run_function", "function_reference", "check_autograd_function"]
 
@@ -83,15 +84,18 @@ def _check(exercise, fn, reference, cases, mistakes, writable=()):
 # one real attention problem, cut into tiles
 # ----------------------------------------------------------------------------------------------
 
-def _problem(rng, lead, n_q, n_k, d, d_v, causal, dtype=np.float64):
-    """Random q, k, v, dO and the forward's o, lse and D = rowsum(dO ∘ O), all in ``dtype``."""
-    q = rng.standard_normal(lead + (n_q, d)).astype(dtype)
-    k = rng.standard_normal(lead + (n_k, d)).astype(dtype)
+def _problem(rng, lead, n_q, n_k, d, d_v, causal, dtype=np.float64, scale=None, spread=1.0):
+    """Random q, k, v, dO and the forward's o, lse and D = rowsum(dO ∘ O), all in ``dtype``;
+    ``spread`` scales q and k (scores in the hundreds for spread ≈ 5)."""
+    q = (rng.standard_normal(lead + (n_q, d)) * spread).astype(dtype)
+    k = (rng.standard_normal(lead + (n_k, d)) * spread).astype(dtype)
     v = rng.standard_normal(lead + (n_k, d_v)).astype(dtype)
     do = rng.standard_normal(lead + (n_q, d_v)).astype(dtype)
-    o, lse = naive_attention_numpy(q, k, v, causal)
+    scale = default_scale(d) if scale is None else scale
+    o, lse = naive_attention_numpy(q, k, v, causal, scale)
     o, lse = o.astype(dtype), lse.astype(dtype)
-    return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, d=tb.compute_d(o, do), causal=causal)
+    return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, d=tb.compute_d(o, do), causal=causal,
+                scale=scale)
 
 
 def _tile(prob, q_start, block_m, k_start, block_n):
@@ -117,18 +121,25 @@ D_MISTAKES = {
     "the sign is flipped: D = +rowsum(dO ∘ O)": lambda o, do: -np.sum(do * o, axis=-1),
     "multiplied O by itself: D = rowsum(dO ∘ O), not rowsum(O ∘ O)":
         lambda o, do: np.sum(o * o, axis=-1),
+    "multiplied dO by itself: D = rowsum(dO ∘ O), not rowsum(dO ∘ dO)":
+        lambda o, do: np.sum(do * do, axis=-1),
+    "D is the product of two row sums, rowsum(dO) · rowsum(O): it is the sum of the products, "
+    "rowsum(dO ∘ O)": lambda o, do: np.sum(do, axis=-1) * np.sum(o, axis=-1),
 }
 
 
 def d_cases(seed: int = _SEED) -> list[Case]:
-    """(o, do) pairs: 2-D, batched with heads, d_v ≠ 64, one float32."""
+    """(o, do) pairs: 2-D, batched with heads, d_v not a power of two, one float32, and
+    non-contiguous arrays (column-major, every other column of a wider array)."""
     rng = np.random.default_rng(seed)
-    specs = [((), 37, 29, 24, False, np.float64), ((2, 3), 45, 31, 16, True, np.float64),
-             ((3,), 19, 19, 8, True, np.float32)]
+    specs = [((), 37, 29, 24, False, np.float64, None), ((2, 3), 45, 31, 20, True, np.float64, "gaps"),
+             ((3,), 19, 19, 8, True, np.float32, "F")]
     cases = []
-    for lead, n_q, n_k, d_v, causal, dtype in specs:
+    for lead, n_q, n_k, d_v, causal, dtype, layout in specs:
         p = _problem(rng, lead, n_q, n_k, 16, d_v, causal, dtype)
-        cases.append(Case((p["o"], p["do"]), label=f"o, do of shape {lead + (n_q, d_v)}"))
+        o, do = _strided(p["o"], layout), _strided(p["do"], "T" if layout else None)
+        cases.append(Case((o, do), label=f"o, do of shape {lead + (n_q, d_v)}"
+                          + (", non-contiguous" if layout else "")))
     return cases
 
 
@@ -159,7 +170,7 @@ DS_MISTAKES = {
 
 def _ds_args(prob, q_start, block_m, k_start, block_n):
     t = _tile(prob, q_start, block_m, k_start, block_n)
-    p = tb.recompute_p(t["q_i"], t["k_j"], t["lse_i"], default_scale(t["q_i"].shape[-1]), t["mask"])
+    p = tb.recompute_p(t["q_i"], t["k_j"], t["lse_i"], prob["scale"], t["mask"])
     return p, t["do_i"] @ t["v_j"].T, t["d_i"]
 
 
@@ -169,8 +180,10 @@ def ds_cases(seed: int = _SEED + 1) -> list[Case]:
     wide = _problem(rng, (), 40, 50, 16, 12, False)
     causal = _problem(rng, (), 45, 45, 8, 8, True)
     single = _problem(rng, (), 30, 35, 16, 16, False, np.float32)
+    p, dp, d = _ds_args(wide, 32, 8, 0, 20)
     return [Case(_ds_args(wide, 16, 16, 32, 16), label="16×16 tile"),
-            Case(_ds_args(wide, 32, 8, 0, 20), label="8×20 tile"),
+            Case((_strided(p, "T"), _strided(dp, "F"), _strided(d[:, None], "gaps")[:, 0]),
+                 label="8×20 tile, non-contiguous arrays"),
             Case(_ds_args(causal, 16, 16, 16, 16), label="causal 16×16 diagonal tile"),
             Case(_ds_args(causal, 40, 16, 32, 16), label="causal ragged 5×13 tile"),
             Case(_ds_args(single, 0, 12, 10, 9), label="12×9 tile, float32")]
@@ -188,12 +201,14 @@ def check_ds_tile(fn):
 
 def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None, *, mistake):
     """:func:`course_lib.tiled_backward.dk_dv_step` with one classic mistake switched on."""
-    s = scale * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
+    s = (1.0 if mistake == "s_no_scale" else scale) * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
     if mask is not None and mistake != "no_mask":
         s = np.where(mask, s, -np.inf)
-    if mistake == "tile_softmax":
+    if mistake.startswith("tile_softmax"):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p = p / p.sum(axis=-1, keepdims=True)
+        if mistake == "tile_softmax_zeroed":  # rows with every key hidden: NaN made 0
+            p = np.nan_to_num(p)
     elif mistake == "no_lse":
         p = np.exp(s)
     else:
@@ -212,8 +227,11 @@ def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None
 
 def _dk_dv_mistake(name):
     def wrong(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
-        return _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask,
-                              mistake=name)
+        if name in _BLOWS_UP and _score_max(q_i, k_j, scale) > UNSTABLE_SCORE:
+            raise FloatingPointError("rounding decides this mistake's result here")
+        with np.errstate(all="ignore"):  # the mistakes' own overflows and NaN
+            return _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask,
+                                  mistake=name)
     wrong.__name__ = f"dk_dv_step_{name}"
     return wrong
 
@@ -224,12 +242,16 @@ DK_DV_MISTAKES = {
     "dK uses dS instead of dSᵀ: dk_j += scale · dSᵀ q_i": _dk_dv_mistake("dk_ds_not_dst"),
     "the scale is missing from dK: dk_j += scale · dSᵀ q_i (S = scale · q kᵀ, so the chain "
     "rule brings the scale back)": _dk_dv_mistake("dk_no_scale"),
+    "the scores are not scaled when P is rebuilt: p = exp(scale · q_i k_jᵀ − lse_i)":
+        _dk_dv_mistake("s_no_scale"),
     "the sign is wrong in dS: dS = P ∘ (dP − D), not P ∘ (D − dP)": _dk_dv_mistake("ds_sign"),
     "the D term is missing: dS = P ∘ (dP − D), not P ∘ dP": _dk_dv_mistake("no_d"),
     "D was recomputed from this tile's P ∘ dP, which sums only part of each row — use d_i "
     "(rowsum(dO ∘ O), computed once before the loop)": _dk_dv_mistake("d_from_tile"),
     "P was rebuilt with a softmax over this tile alone: the tile holds only part of each row; "
     "use the saved statistics, P = exp(S − lse)": _dk_dv_mistake("tile_softmax"),
+    "P was rebuilt with a softmax over this tile alone (rows that see none of the tile's keys "
+    "set to 0): use the saved statistics, P = exp(S − lse)": _dk_dv_mistake("tile_softmax_zeroed"),
     "P = exp(S) without subtracting the saved lse (P = exp(S − lse_i[:, None]))":
         _dk_dv_mistake("no_lse"),
     "the causal mask is not applied when P is rebuilt: hidden keys (mask False) must get P = 0":
@@ -239,28 +261,33 @@ DK_DV_MISTAKES = {
 }
 
 
-def _dk_dv_args(prob, q_start, block_m, k_start, block_n, rng):
+def _dk_dv_args(prob, q_start, block_m, k_start, block_n, rng, layout=None):
     """Arguments of one loop step, with accumulators that already hold earlier tiles' sums."""
     t = _tile(prob, q_start, block_m, k_start, block_n)
     dtype = prob["q"].dtype
     dk_j = rng.standard_normal(t["k_j"].shape).astype(dtype)  # (BLOCK_N, d)
     dv_j = rng.standard_normal(t["v_j"].shape).astype(dtype)  # (BLOCK_N, d_v)
-    scale = default_scale(prob["q"].shape[-1])
-    return (t["q_i"], t["do_i"], t["lse_i"], t["d_i"], t["k_j"], t["v_j"], dk_j, dv_j, scale,
+    q_i, k_j = _strided(t["q_i"], layout), _strided(t["k_j"], "T" if layout else None)
+    return (q_i, t["do_i"], t["lse_i"], t["d_i"], k_j, t["v_j"], dk_j, dv_j, prob["scale"],
             t["mask"])
 
 
 def dk_dv_cases(seed: int = _SEED + 2) -> list[Case]:
     """Loop steps: a square unmasked tile first, then causal diagonal tiles (square and ragged,
-    d ≠ d_v, BLOCK_M ≠ BLOCK_N) and a float32 one."""
+    d ≠ d_v, BLOCK_M ≠ BLOCK_N, rows that see none of the tile's keys), explicit scales, scores
+    in the hundreds, non-contiguous arrays and a float32 one."""
     rng = np.random.default_rng(seed)
     plain = _problem(rng, (), 40, 48, 16, 16, False)
-    causal = _problem(rng, (), 45, 38, 12, 8, True)
+    causal = _problem(rng, (), 45, 38, 12, 8, True, scale=0.45)
+    hot = _problem(rng, (), 30, 30, 10, 6, True, scale=1.0, spread=5.0)
     single = _problem(rng, (), 33, 33, 16, 16, True, np.float32)
     return [Case(_dk_dv_args(plain, 16, 16, 32, 16, rng), label="16×16 tile, no mask"),
-            Case(_dk_dv_args(causal, 16, 16, 16, 16, rng), label="causal 16×16 diagonal tile"),
+            Case(_dk_dv_args(causal, 16, 16, 16, 16, rng, "F"),
+                 label="causal 16×16 diagonal tile, scale 0.45, non-contiguous q_i, k_j"),
             Case(_dk_dv_args(causal, 26, 13, 21, 7, rng), label="causal 13×7 tile, d=12, d_v=8"),
             Case(_dk_dv_args(causal, 39, 8, 32, 16, rng), label="causal ragged 6×6 last tile"),
+            Case(_dk_dv_args(hot, 8, 12, 14, 10, rng),
+                 label="causal 12×10 tile, rows 8..13 see none of its keys, scores in the hundreds"),
             Case(_dk_dv_args(single, 16, 17, 10, 9, rng), label="causal 17×9 tile, float32")]
 
 
@@ -282,7 +309,8 @@ _ROW_TILES = {"o": ("Q tile", "block_m"), "dq": ("Q tile", "block_m"),
 
 
 def _first_bad(got, want, atol, rtol):
-    """(index, max abs error) of the first element of ``got`` outside tolerance, or None."""
+    """(index, max abs error, got, want) of the first element of ``got`` outside tolerance, or
+    None."""
     g, w = to_numpy64(got), to_numpy64(want)
     bad = ~np.isclose(g, w, atol=atol, rtol=rtol) | (np.isnan(g) & ~np.isnan(w))
     if not bad.any():
@@ -290,7 +318,7 @@ def _first_bad(got, want, atol, rtol):
     idx = tuple(int(i) for i in np.argwhere(bad)[0])
     diff = np.abs(g - w)
     err = float(np.nanmax(diff)) if np.isfinite(diff).any() else float("nan")
-    return idx, (float("inf") if np.isnan(g).any() or np.isinf(g).any() else err), g[idx], w[idx]
+    return idx, (float("inf") if not np.isfinite(g).all() else err), g[idx], w[idx]
 
 
 def _same_layout(got, want) -> bool:
@@ -302,10 +330,15 @@ def _same_layout(got, want) -> bool:
                and str(g.dtype) == str(w.dtype) for g, w in zip(got, want))
 
 
-def _gradient_diagnosis(exercise, n, n_cases, case, got, want, names, blocks, tolerance,
-                        mistakes, subject="your function"):
-    """The lines of one diagnosis: which case, which output, first bad row and its tile, max
-    error, and the known mistake that reproduces the answer on the same input (if any)."""
+def _wrong_outputs(got, want, names, tolerance) -> set:
+    """The names of the outputs of ``got`` that are not within ``tolerance`` of ``want``."""
+    return {name for name, g, w in zip(names, got, want)
+            if compare(g, w, *tolerance) is not None}
+
+
+def _gradient_diagnosis(exercise, n, n_cases, case, got, want, names, blocks, tolerance):
+    """The head of one diagnosis: which case, which output is wrong, its first bad row and the
+    tile that row belongs to, the max error, and which outputs are right."""
     atol, rtol = tolerance
     wrong = [(name, _first_bad(g, w, atol, rtol)) for name, g, w in zip(names, got, want)]
     wrong = [(name, bad) for name, bad in wrong if bad is not None]
@@ -329,75 +362,94 @@ def _gradient_diagnosis(exercise, n, n_cases, case, got, want, names, blocks, to
     lines.append("  " + "; ".join(part for part in (
         f"also wrong: {', '.join(others)}" if others else "",
         f"right: {', '.join(right)}" if right else "") if part))
-    for cause, wrong_fn in (mistakes or {}).items():
-        try:
-            mistaken = wrong_fn(*case.args, **(case.kwargs or {}))
-        except Exception:  # noqa: BLE001 - a mistake that cannot run on this case does not match
-            continue
-        if all(compare(g_, m_, atol, rtol, equal_nan=True) is None for g_, m_ in zip(got, mistaken)):
-            lines.append(f"  likely cause: {cause}")
-            break
     return [line for line in lines if line.strip()]
+
+
+_WRONG_CASE = re.compile(r"^✗ [^:]+: wrong answer on case (\d+) of")
 
 
 def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, names, blocks_of,
                      tolerance=None, kernel_check=None, answer=None, quiet=False):
-    """Run ``fn`` through :func:`check_function` (or ``kernel_check``, chapter 05's guarded
-    :func:`~course_lib.exercises.kernel_checks.check_kernel`) for everything that is not about values —
-    not done yet, crashes, None, wrong shapes, inputs changed in place, endless loops, stores out
-    of bounds — and replace its message for a wrong value by one gradient diagnosis.
+    """Run ``fn`` through :func:`check_function` (or ``kernel_check``,
+    :func:`course_lib.kernel_checks.check_kernel`) and, for a wrong value, replace the head of
+    its message by one gradient diagnosis (which output, first bad row and its tile), keeping
+    what it found out: the NaN's origin and the cause, named only when exactly one mistake
+    model reproduces the answer on every case (:func:`checks.consistent_causes`).
 
+    ``mistakes``: ``{cause: model}`` or ``{cause: (model, outputs it can change)}``: a model
+    that leaves dq right cannot reproduce a wrong dq, so it is not even run on that case.
     ``blocks_of(case) -> {"block_m": .., "block_n": ..}``; ``tolerance``: ``(atol, rtol)``,
     default by the outputs' dtype (``checks.TOLERANCES``).
     """
     cases = list(cases)
-    state = {"n": 0, "last": None, "problem": None}
+    state = {"n": 0, "problem": None}
+    got_of, wrong_of = {}, {}  # case number -> what fn returned, which outputs were wrong
+    number = {id(case.args[0]): n for n, case in enumerate(cases, 1)}
 
     def tracked_reference(*args, **kwargs):
         state["n"] += 1
-        state["last"] = None
-        return reference(*args, **kwargs)
+        state["want"] = reference(*args, **kwargs)
+        return state["want"]
 
     def recorded(*args, **kwargs):
+        n = number.get(id(args[0]) if args else None, state["n"])  # a re-run gets the case's own
         try:
             out = fn(*args, **kwargs)
         except _Diagnosed as exc:  # the runner named the cause: that is the whole diagnosis
             state["problem"] = str(exc)
             raise
-        state["last"] = out
+        got_of[n] = out
+        want = state["want"]
+        if n == state["n"] and _same_layout(out, want):
+            wrong_of[n] = _wrong_outputs(out, want, names, tolerance or _default_tolerance(want))
         return out
 
+    def screened(model, affected):
+        def wrong(*args, **kwargs):
+            seen = wrong_of.get(number.get(id(args[0]) if args else None))
+            if seen is not None and not seen <= affected:
+                return None  # it leaves right an output the answer has wrong: no match
+            return model(*args, **kwargs)
+        return wrong
+
+    models = {cause: (screened(*m) if isinstance(m, tuple) else m) for cause, m in mistakes.items()}
     try:
         if kernel_check is not None:
             return kernel_check(exercise, answer, recorded, tracked_reference, cases,
-                                fallback=fallback, tolerance=tolerance)
+                                fallback=fallback, tolerance=tolerance, mistakes=models)
         chosen = check_function(exercise, recorded, tracked_reference, cases, fallback=fallback,
-                                tolerance=tolerance, quiet=quiet)
+                                tolerance=tolerance, quiet=quiet, mistakes=models)
         return fn if chosen is recorded else chosen
     except ExerciseFailed as failure:
-        n, got = state["n"], state["last"]
+        message = str(failure)
         if state["problem"] is not None:
-            raise ExerciseFailed(f"✗ {exercise}: {state['problem']}\n  on case {n} of "
-                                 f"{len(cases)} — {cases[n - 1].label}") from None
-        if got is None or "wrong answer on case" not in str(failure) or not 1 <= n <= len(cases):
+            n = state["n"]
+            raise checks.failed_with(exercise, f"✗ {exercise}: {state['problem']}\n  on case {n} "
+                                               f"of {len(cases)} — {cases[n - 1].label}") from None
+        lines = message.splitlines()
+        found = _WRONG_CASE.match(lines[0]) if lines else None
+        if not found:
             raise
-        case = cases[n - 1]
+        n = int(found.group(1))
+        case, got = cases[n - 1], got_of.get(n)
         want = reference(*case.args, **(case.kwargs or {}))
-        if not _same_layout(got, want):
+        if got is None or not _same_layout(got, want):
             raise
         tol = tolerance or _default_tolerance(want)
-        lines = _gradient_diagnosis(exercise, n, len(cases), case, got, want, names,
-                                    blocks_of(case), tol, mistakes)
-        raise ExerciseFailed("\n".join(lines)) from None
+        head = _gradient_diagnosis(exercise, n, len(cases), case, got, want, names,
+                                   blocks_of(case), tol)
+        # check_function's lines after the inputs/output/problem: NaN evidence, the cause,
+        # the other cases, what fn printed
+        raise checks.failed_with(exercise, "\n".join(head + lines[4:])) from None
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 7.4: the whole tiled backward in NumPy
 # ----------------------------------------------------------------------------------------------
 
-def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, mistake=None):
+def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, mistake=""):
     """The one-pass tiled backward (outer loop over K/V tiles, inner over Q tiles, dQ added into
-    the full array) with one classic mistake switched on; ``mistake=None`` is the answer."""
+    the full array) with one classic mistake switched on; ``mistake=""`` is the answer."""
     n_q, n_k = q.shape[0], k.shape[0]
     d_all = np.sum(do * o, axis=-1)  # (N_q,)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
@@ -408,27 +460,38 @@ def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, m
         dk_j, dv_j = np.zeros_like(k_j), np.zeros_like(v_j)
         for q_start in range(0, n_q, block_m):
             q_end = min(q_start + block_m, n_q)
-            if causal and q_end - 1 < k_start:
+            if mistake == "tile_index_skip":
+                if causal and k_start // block_n > q_start // block_m:
+                    continue  # compares tile numbers: right only when block_m == block_n
+            elif causal and q_end - 1 < k_start:
                 continue  # every query of this tile comes before every key: fully masked
             rows = slice(q_start, q_end)
             q_i, do_i, lse_i = q[rows], do[rows], lse[rows]
-            s = scale * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
+            s = (1.0 if mistake == "s_no_scale" else scale) * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
             if causal and mistake != "no_mask":
-                s = np.where(np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None],
-                             s, -np.inf)
-            if mistake == "tile_softmax":
-                with np.errstate(invalid="ignore"):  # rows with every key hidden: 0/0
-                    p = np.exp(s - s.max(axis=-1, keepdims=True))
-                    p = np.nan_to_num(p / p.sum(axis=-1, keepdims=True))
+                if mistake == "local_tril":  # the tile's own corner, not the global indices
+                    visible = np.tril(np.ones((q_end - q_start, k_end - k_start), dtype=bool))
+                else:
+                    visible = np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None]
+                s = np.where(visible, s, -np.inf)
+            if mistake.startswith("tile_softmax"):
+                p = np.exp(s - s.max(axis=-1, keepdims=True))
+                p = p / p.sum(axis=-1, keepdims=True)
+                if mistake == "tile_softmax_zeroed":  # rows with every key hidden: NaN made 0
+                    p = np.nan_to_num(p)
             elif mistake == "no_lse":
                 p = np.exp(s)
             else:
                 p = np.exp(s - lse_i[:, None])
-            dv_j = dv_j + (p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i)
+            dv_new = p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i
             dp = do_i @ v_j.T  # (BLOCK_M, BLOCK_N)
             d_i = np.sum(p * dp, axis=-1) if mistake == "d_from_tile" else d_all[rows]
-            ds = p * (dp - d_i[:, None])  # (BLOCK_M, BLOCK_N)
-            dk_j = dk_j + (1.0 if mistake == "dk_no_scale" else scale) * (ds.T @ q_i)
+            ds = p * (d_i[:, None] - dp) if mistake == "ds_sign" else p * (dp - d_i[:, None])
+            dk_new = (1.0 if mistake == "dk_no_scale" else scale) * (ds.T @ q_i)
+            if mistake == "dkdv_overwrite":
+                dk_j, dv_j = dk_new, dv_new
+            else:
+                dk_j, dv_j = dk_j + dk_new, dv_j + dv_new
             dq_new = (1.0 if mistake == "dq_no_scale" else scale) * (ds @ k_j)
             if mistake == "dq_overwrite":
                 dq[rows] = dq_new
@@ -438,10 +501,24 @@ def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, m
     return dq, dk, dv
 
 
+# Mistakes that leave exp(S) unnormalised blow P up to exp(max S): past that many units of
+# score, their gradients are sums of huge terms that cancel, and what comes out depends on the
+# order of the additions — another learner's code would differ. No evidence on such a case.
+UNSTABLE_SCORE = 10.0
+_BLOWS_UP = ("no_lse",)
+
+
+def _score_max(q, k, scale) -> float:
+    return float(np.max(np.abs(np.asarray(q, np.float64) @ np.asarray(k, np.float64).T))) * abs(scale)
+
+
 def _backward_mistake(name):
     def wrong(q, k, v, o, lse, do, causal, scale, block_m, block_n):
-        return _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n,
-                                 mistake=name)
+        if name in _BLOWS_UP and _score_max(q, k, scale) > UNSTABLE_SCORE:
+            raise FloatingPointError("rounding decides this mistake's result here")
+        with np.errstate(all="ignore"):  # the mistakes' own overflows and NaN
+            return _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n,
+                                     mistake=name)
     wrong.__name__ = f"flash_backward_{name}"
     return wrong
 
@@ -450,20 +527,34 @@ BACKWARD_MISTAKES = {
     "the scale is missing from dK: dk_j += scale · dSᵀ q_i (S = scale · q kᵀ, so the chain "
     "rule brings the scale back)": _backward_mistake("dk_no_scale"),
     "the scale is missing from dQ: dq[rows] += scale · dS k_j": _backward_mistake("dq_no_scale"),
+    "the scores are not scaled when P is rebuilt: P = exp(scale · q_i k_jᵀ − lse_i)":
+        _backward_mistake("s_no_scale"),
     "D was computed from this tile's P ∘ dP, which sums only BLOCK_N of each row's N_k columns "
     "— compute D = rowsum(dO ∘ O) once, before the loops": _backward_mistake("d_from_tile"),
     "P was rebuilt with a softmax over this tile alone: the tile holds only part of each row; "
     "use the saved statistics, P = exp(S − lse)": _backward_mistake("tile_softmax"),
+    "P was rebuilt with a softmax over this tile alone (rows that see none of the tile's keys "
+    "set to 0): the tile holds only part of each row; use the saved statistics, "
+    "P = exp(S − lse)": _backward_mistake("tile_softmax_zeroed"),
     "P = exp(S) without subtracting the saved lse (P = exp(S − lse_i[:, None]))":
         _backward_mistake("no_lse"),
     "dV uses P instead of Pᵀ: dv_j += Pᵀ dO_i (keys along the rows of the result)":
         _backward_mistake("dv_p_not_pt"),
+    "the sign of dS is flipped: dS = P ∘ (dP − D), not P ∘ (D − dP)": _backward_mistake("ds_sign"),
     "the causal mask is not applied when P is rebuilt: in tiles that straddle the diagonal, "
     "keys j > i must get P = 0 (set their scores to -inf before the exp)":
         _backward_mistake("no_mask"),
+    "the causal mask is the tile's own lower triangle (np.tril of the tile) — it must use the "
+    "global indices: key k_start + c is visible to query q_start + r when k_start + c <= "
+    "q_start + r": _backward_mistake("local_tril"),
+    "tiles are skipped by comparing tile numbers (k_start // block_n > q_start // block_m), "
+    "which is right only when block_m == block_n — skip when the tile's last query, q_end − 1, "
+    "comes before its first key, k_start": _backward_mistake("tile_index_skip"),
     "dQ is overwritten, not accumulated: each K/V tile adds its part, dq[rows] += scale · dS k_j "
     "(with the K/V loop outside, dQ's sum runs across the outer loop)":
         _backward_mistake("dq_overwrite"),
+    "dk_j, dv_j are overwritten in the Q loop, not accumulated: dk_j = dk_j + …, dv_j = dv_j + …":
+        _backward_mistake("dkdv_overwrite"),
     "the last, shorter K/V tile is dropped: range(0, n_k // block_n * block_n, block_n) stops "
     "before the ragged tail — loop over range(0, n_k, block_n) and slice to min(k_start + "
     "block_n, n_k)": _backward_mistake("drop_tail"),
@@ -474,29 +565,48 @@ def _reference_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n):
     return tb.flash_attention_numpy_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n)
 
 
+def _strided(x, how: str):
+    """``x`` with the same values in another memory layout: 'F' column-major, 'gaps' every
+    other column of a wider array, 'T' the transpose of a contiguous transpose."""
+    if how == "F":
+        return np.asfortranarray(x)
+    if how == "gaps":
+        wide = np.full(x.shape[:-1] + (2 * x.shape[-1],), np.nan, dtype=x.dtype)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    if how == "T":
+        return np.ascontiguousarray(x.T).T
+    return x
+
+
 def backward_cases(seed: int = _SEED + 4) -> list[Case]:
     """Whole problems, one head: square tiles first (a transposition mistake then has the right
-    shape and can be named), then ragged N, N_q ≠ N_k both ways, d ≠ d_v, causal and not,
-    a non-default scale, and float32."""
+    shape and can be named), then ragged N, N_q ≠ N_k both ways, d ≠ d_v (neither a power of
+    two), BLOCK_M ≠ BLOCK_N both ways (some rows of a diagonal tile see none of its keys),
+    causal and not, explicit scales, scores in the hundreds, float32, non-contiguous arrays."""
     rng = np.random.default_rng(seed)
-    specs = [  # (n_q, n_k, d, d_v, causal, block_m, block_n, scale, dtype)
-        (32, 32, 16, 16, False, 16, 16, None, np.float64),
-        (48, 48, 8, 8, True, 16, 16, None, np.float64),
-        (45, 38, 12, 8, True, 16, 12, 0.3, np.float64),
-        (29, 53, 16, 12, False, 8, 16, None, np.float64),
-        (37, 37, 16, 16, True, 10, 7, None, np.float32),
+    specs = [  # (n_q, n_k, d, d_v, causal, block_m, block_n, scale, spread, dtype, layout)
+        (32, 32, 16, 16, False, 16, 16, None, 1.0, np.float64, None),
+        (48, 48, 8, 8, True, 16, 16, None, 1.0, np.float64, "F"),
+        (45, 38, 12, 10, True, 16, 12, 0.3, 1.0, np.float64, "gaps"),
+        (29, 53, 20, 12, False, 8, 16, None, 1.0, np.float64, "T"),
+        (40, 33, 20, 20, True, 12, 16, 1.0, 5.0, np.float64, None),
+        (37, 37, 16, 16, True, 10, 7, None, 1.0, np.float32, "F"),
     ]
     cases = []
-    for n_q, n_k, d, d_v, causal, block_m, block_n, scale, dtype in specs:
+    for n_q, n_k, d, d_v, causal, block_m, block_n, scale, spread, dtype, layout in specs:
         scale = default_scale(d) if scale is None else scale
-        q = rng.standard_normal((n_q, d)).astype(dtype)
-        k = rng.standard_normal((n_k, d)).astype(dtype)
+        q = (rng.standard_normal((n_q, d)) * spread).astype(dtype)
+        k = (rng.standard_normal((n_k, d)) * spread).astype(dtype)
         v = rng.standard_normal((n_k, d_v)).astype(dtype)
         do = rng.standard_normal((n_q, d_v)).astype(dtype)
-        o, lse = naive_attention_numpy(q, k, v, causal, scale)
+        o, lse = naive_attention_numpy(q.astype(np.float64), k.astype(np.float64),
+                                       v.astype(np.float64), causal, scale)
+        q, k, do = (_strided(x, layout) for x in (q, k, do))
         label = (f"{'causal' if causal else 'non-causal'}, N_q={n_q}, N_k={n_k}, d={d}, "
                  f"d_v={d_v}, block_m={block_m}, block_n={block_n}, scale={scale:.3g}, "
-                 f"{np.dtype(dtype).name}")
+                 f"{np.dtype(dtype).name}" + (", scores up to the hundreds" if spread > 1 else "")
+                 + (", non-contiguous q, k, do" if layout else ""))
         cases.append(Case((q, k, v, o.astype(dtype), lse.astype(dtype), do, causal, scale,
                            block_m, block_n), label=label))
     return cases
@@ -565,175 +675,35 @@ def check_flash_backward(fn):
 # ----------------------------------------------------------------------------------------------
 # The learner writes two kernels with the library's argument names (a simpler signature than
 # course_lib.kernels.backward's: no head-dim padding, natural exp, fp32 accumulators); D (the
-# code's DELTA) comes from the library's preprocess kernel, launched by launch_backward.
+# code's DELTA) comes from the library's preprocess kernel, launched by launch_backward. The
+# mistake models are the library's own kernels with one classic mistake switched on
+# (``backward.MISTAKES``): no second copy of the kernels lives here.
 
-# 16 is the smallest tile tl.dot accepts, so the checks' short sequences already span several
-# tiles; square tiles keep a P-for-Pᵀ mistake the right shape, so the check can name it.
+# 16 is the smallest tile tl.dot accepts on a GPU; launch_backward's default tile.
 CHECK_BLOCK = 16
 
-# Mistake switches of the model kernels below (0 = the answer key); constexpr, so that the
-# kernels may read them.
-_MISTAKE_NAMES = ("dk_no_scale", "dq_no_scale", "d_from_tile", "tile_softmax", "no_causal_mask",
-                  "dv_p_not_pt", "dq_overwrite", "exp2_lse_natural", "no_lse")
-KERNEL_MISTAKE_CODES = {name: code for code, name in enumerate(_MISTAKE_NAMES, 1)}
-_DK_NO_SCALE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dk_no_scale"])
-_DQ_NO_SCALE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dq_no_scale"])
-_D_FROM_TILE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["d_from_tile"])
-_TILE_SOFTMAX: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["tile_softmax"])
-_NO_CAUSAL_MASK: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["no_causal_mask"])
-_DV_P_NOT_PT: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dv_p_not_pt"])
-_DQ_OVERWRITE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["dq_overwrite"])
-_EXP2_LSE_NATURAL: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["exp2_lse_natural"])
-_NO_LSE: tl.constexpr = tl.constexpr(KERNEL_MISTAKE_CODES["no_lse"])
 
-
-@triton.jit
-def _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL: tl.constexpr, MISTAKE: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of P from the saved lse, 0 where key ``cols`` is hidden from
-    query ``rows`` (past the end, or after the query when causal)."""
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (BLOCK_M, BLOCK_N)
-    visible = (rows[:, None] < n_q) & (cols[None, :] < n_k)
-    if CAUSAL:
-        if MISTAKE != _NO_CAUSAL_MASK:
-            visible = visible & (cols[None, :] <= rows[:, None])
-    if MISTAKE == _TILE_SOFTMAX:
-        s = tl.where(visible, s, float("-inf"))
-        e = tl.exp(s - tl.max(s, axis=1)[:, None])
-        p = e / tl.sum(e, axis=1)[:, None]
-    elif MISTAKE == _NO_LSE:
-        p = tl.exp(s)
-    elif MISTAKE == _EXP2_LSE_NATURAL:
-        p = tl.math.exp2(s * LOG2_E - lse[:, None])  # lse left in natural-log units
-    else:
-        p = tl.exp(s - lse[:, None])
-    return tl.where(visible, p, 0.0)
-
-
-@triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                stride_qb, stride_qh, stride_qn, stride_qd,
-                stride_kb, stride_kh, stride_kn, stride_kd,
-                stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_dob, stride_doh, stride_don, stride_dod,
-                stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV share one layout
-                n_heads, n_q, n_k, scale,
-                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
-    """Exercise 7.5's answer key: dK and dV for one BLOCK_N tile of keys of one (batch, head).
-
-    Grid ``(cdiv(n_k, BLOCK_N), B · H)``; Q, DO, O: (B, H, N_q, d); K, V, DK, DV: (B, H, N_k, d);
-    LSE, DELTA: (B, H, N_q) contiguous fp32. ``MISTAKE`` (not part of the exercise) switches on
-    one classic mistake, for the check's diagnoses.
-    """
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
-    cols = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) this program's keys
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = cols[:, None] < n_k  # (BLOCK_N, 1): the last tile may stick out past N_k
-    k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
-    v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    q_lo = 0
-    if CAUSAL:  # Q tiles before this one hold only queries i < start_n: they see none of it
-        q_lo = (start_n // BLOCK_M) * BLOCK_M
-    for start_m in range(q_lo, n_q, BLOCK_M):
-        rows = start_m + offs_m  # (BLOCK_M,)
-        q_mask = rows[:, None] < n_q
-        q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
-                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)  # (BLOCK_M, d)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don
-                     + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)  # (BLOCK_M, d)
-        lse = tl.load(LSE + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
-        delta = tl.load(DELTA + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
-        p = _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL, MISTAKE)  # (BLOCK_M, BLOCK_N)
-        if MISTAKE == _DV_P_NOT_PT:
-            dv += tl.dot(p.to(do.dtype), do)
-        else:
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)  # (BLOCK_N, d)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        if MISTAKE == _D_FROM_TILE:
-            delta = tl.sum(p * dp, axis=1)
-        ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q)  # (BLOCK_N, d)
-    if MISTAKE != _DK_NO_SCALE:
-        dk = dk * scale  # dK = scale · dSᵀ Q: the scale, once, after the loop
-    out = b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-              stride_qb, stride_qh, stride_qn, stride_qd,
-              stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_dob, stride_doh, stride_don, stride_dod,
-              stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-              n_heads, n_q, n_k, scale,
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
-    """Exercise 7.5's answer key: dQ for one BLOCK_M tile of queries of one (batch, head).
-
-    Grid ``(cdiv(n_q, BLOCK_M), B · H)``; shapes as :func:`dkdv_kernel`.
-    """
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
-    rows = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) this program's queries
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_mask = rows[:, None] < n_q
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
-                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)  # (BLOCK_M, d)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don
-                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)  # (BLOCK_M, d)
-    lse = tl.load(LSE + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
-    delta = tl.load(DELTA + bh * n_q + rows, mask=rows < n_q, other=0.0)  # (BLOCK_M,)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    kv_end = n_k
-    if CAUSAL:  # the tile's last query, start_m + BLOCK_M - 1, sees keys up to itself
-        kv_end = tl.minimum(n_k, start_m + BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,)
-        kv_mask = cols[:, None] < n_k
-        k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
-        v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, d)
-        p = _rebuild_p(q, k, lse, rows, cols, n_q, n_k, scale, CAUSAL, MISTAKE)  # (BLOCK_M, BLOCK_N)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        if MISTAKE == _D_FROM_TILE:
-            delta = tl.sum(p * dp, axis=1)
-        ds = p * (dp - delta[:, None])
-        if MISTAKE == _DQ_OVERWRITE:
-            dq = tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)  # (BLOCK_M, d)
-    if MISTAKE != _DQ_NO_SCALE:
-        dq = dq * scale  # dQ = scale · dS K
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)
+def _library_pair(dkdv, dq_kern) -> bool:
+    """True for the library's kernels (the fallback), which take the library's signature."""
+    return dkdv is backward.dkdv_kernel and dq_kern is backward.dq_kernel
 
 
 def launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal: bool, scale: float,
                     block_m: int = CHECK_BLOCK, block_n: int = CHECK_BLOCK,
-                    dq=None, dk=None, dv=None, mistake: str | None = None):
-    """Run the backward with two kernels of Exercise 7.5's signatures.
+                    dq=None, dk=None, dv=None):
+    """Run the backward with two kernels of Exercise 7.5's signatures (or the library's pair).
 
     Args:
         q, o, do: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``; any strides, one dtype;
             ``d`` a power of two ≥ 16. lse: ``(B, H, N_q)`` contiguous fp32, as
             :func:`course_lib.kernels.forward.attention_forward` returns it.
-        dq, dk, dv: where to write (default: new tensors shaped like q, k, v).
+        dq, dk, dv: where to write (default: new tensors shaped like q, k, v); dk and dv share
+            one layout. dq is zeroed first, so a dQ kernel may also add its tiles with atomics.
 
     Returns:
         ``(dq, dk, dv)``. ``DELTA = rowsum(dO ∘ O)`` (the paper's D) comes from the library's
-        ``preprocess_kernel``.
+        ``preprocess_kernel``. In the interpreter every load and store is checked against these
+        tensors before it happens (:func:`course_lib.kernel_checks.memory_guard`).
     """
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
@@ -742,23 +712,32 @@ def launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal: bool, scale: flo
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if dk.stride() != dv.stride():
         raise ValueError(f"dk and dv must share one layout, got strides {dk.stride()} and {dv.stride()}")
+    if _library_pair(dkdv, dq_kern):  # the fallback: the library's signature and launcher
+        blocks = tuning.Blocks(block_m, block_n)
+        return backward.attention_backward(do, q, k, v, o, lse, causal, scale, blocks, blocks,
+                                           out=(dq, dk, dv))
+    dq.zero_()
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)  # (B, H, N_q)
-    backward.preprocess_kernel[(triton.cdiv(n_q, backward.PREPROCESS_BLOCK_M) * batch * heads,)](
-        o, do, delta, *o.stride(), *do.stride(), heads, n_q, HEAD_DIM_REAL=d, HEAD_DIM=d,
-        ACC_DTYPE=tl.float32, BLOCK_M=backward.PREPROCESS_BLOCK_M)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     meta = dict(HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n)
-    if mistake is not None:
-        meta["MISTAKE"] = KERNEL_MISTAKE_CODES[mistake]  # the model kernels only
-    dkdv[(triton.cdiv(n_k, block_n), batch * heads)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), heads, n_q, n_k, float(scale), **meta)
-    dq_kern[(triton.cdiv(n_q, block_m), batch * heads)](
-        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), heads, n_q, n_k, float(scale), **meta)
+    with kernel_checks.memory_guard() as guard:
+        for name, x in (("Q", q), ("K", k), ("V", v), ("O", o), ("DO", do), ("LSE", lse)):
+            guard.allow(name, x)
+        for name, x in (("DELTA", delta), ("DQ", dq), ("DK", dk), ("DV", dv)):
+            guard.allow(name, x, write=True)
+        backward.preprocess_kernel[(triton.cdiv(n_q, backward.PREPROCESS_BLOCK_M) * batch * heads,)](
+            o, do, delta, *o.stride(), *do.stride(), heads, n_q, HEAD_DIM_REAL=d, HEAD_DIM=d,
+            ACC_DTYPE=tl.float32, BLOCK_M=backward.PREPROCESS_BLOCK_M)
+        dkdv[(triton.cdiv(n_k, block_n), batch * heads)](
+            q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), heads, n_q, n_k, float(scale), **meta)
+        dq_kern[(triton.cdiv(n_q, block_m), batch * heads)](
+            q, k, v, do, lse, delta, dq, *strides, *dq.stride(), heads, n_q, n_k, float(scale), **meta)
     return dq, dk, dv
 
 
-def reference_gradients(q, k, v, o, lse, do, causal: bool, scale: float):
-    """float64 autograd of the naive attention, rounded to the inputs' dtype: ``(dq, dk, dv)``."""
+def reference_gradients(q, k, v, o, lse, do, causal: bool, scale: float, **launch):
+    """float64 autograd of the naive attention, rounded to the inputs' dtype: ``(dq, dk, dv)``
+    (``launch``: the case's tile sizes and layouts, which do not change the answer)."""
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     out, _ = naive_attention_torch(q64, k64, v64, causal, scale)
     out.backward(do.double())
@@ -770,127 +749,239 @@ def _kernel_case_dtypes():
     return (torch.float32, torch.float16) if _rt.interpreted else (torch.float16, torch.bfloat16)
 
 
-def _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale, device):
-    """(q, k, v, o, lse, do): random inputs; o and lse from the float64 forward (lse fp32)."""
-    q = torch.randn(batch, heads, n_q, d, generator=gen)
-    k, v = (torch.randn(batch, heads, n_k, d, generator=gen) for _ in range(2))
+def _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale, device, spread=1.0):
+    """(q, k, v, o, lse, do): random inputs; o and lse from the float64 forward (lse fp32).
+    ``spread`` scales q and k: scores reach about ±spread²·scale·d (hundreds for spread 6)."""
+    q = torch.randn(batch, heads, n_q, d, generator=gen) * spread
+    k = torch.randn(batch, heads, n_k, d, generator=gen) * spread
+    v = torch.randn(batch, heads, n_k, d, generator=gen)
     do = torch.randn(batch, heads, n_q, d, generator=gen)
-    o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
     to = dict(device=device, dtype=dtype)
-    return (q.to(**to), k.to(**to), v.to(**to), o.to(**to), lse.float().to(device), do.to(**to))
+    q, k, v, do = (x.to(**to) for x in (q, k, v, do))
+    o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
+    return (q, k, v, o.to(**to), lse.float().to(device), do)
 
 
-# (batch, heads, n_q, n_k, d, causal): square and tile-aligned first (a P-for-Pᵀ mistake keeps
-# its shape and can be named), then ragged N, N_q > N_k and N_q < N_k, causal and not, d = 32.
-KERNEL_SPECS = ((1, 2, 32, 32, 16, False), (1, 1, 45, 45, 32, True), (2, 1, 50, 29, 16, True),
-                (1, 2, 23, 40, 16, False))
+# Memory layouts of the check's tensors: the order of the (B, H, N, d) dims in memory, outermost
+# first, and the step between columns (2: a column stride of 2, the gaps filled like margins).
+# Every tensor of a case gets its own, so a stride of one tensor used for another shows.
+LAYOUTS = {
+    "bhnd": ("bhnd", 1),     # contiguous (B, H, N, d)
+    "bnhd": ("bnhd", 1),     # heads interleaved: a (B, N, H, d) tensor seen as (B, H, N, d)
+    "hbnd": ("hbnd", 2),     # heads outermost, column stride 2
+    "bhnd2": ("bhnd", 2),    # column stride 2
+    "nbhd": ("nbhd", 1),     # sequence outermost
+}
+# Rows past N in every tensor's buffer (margins of NaN for inputs, of a sentinel for outputs).
+ROW_MARGIN = CHECK_BLOCK
+
+
+def _place(x, layout: str, fill: float):
+    """A copy of ``x`` ``(B, H, N, d)`` in ``LAYOUTS[layout]``, inside a buffer holding ``fill``
+    everywhere else: ``(view, buffer)``."""
+    order, step = LAYOUTS[layout]
+    size = dict(zip("bhnd", x.shape))
+    size["n"] += ROW_MARGIN
+    size["d"] *= step
+    buffer = torch.full([size[c] for c in order], fill, dtype=x.dtype, device=x.device)
+    view = buffer.permute([order.index(c) for c in "bhnd"])[:, :, :x.shape[2], ::step]
+    view.copy_(x)
+    return view, buffer
+
+
+# (batch, heads, n_q, n_k, d, causal, scale, block_m, block_n, spread, fast dtype, layouts of
+# q, k, v, o, do, then dq and dk/dv). Square tiles first (a P-for-Pᵀ mistake keeps its shape
+# there and can be named); then BLOCK_M ≠ BLOCK_N both ways so the causal loop bounds matter
+# (BLOCK_M > BLOCK_N: some rows of a diagonal tile see none of its keys), N_q > N_k causal,
+# N_q < N_k, spare batch and heads, explicit scales, scores up to ±80 (a correct fp32 kernel
+# loses about |s|·2⁻²⁴ in every exponent: at ±100 that nears the fp32 tolerance), and fp16.
+KERNEL_SPECS = (
+    (1, 2, 32, 32, 16, False, None, 16, 16, 1.0, False,
+     ("bhnd", "bnhd", "hbnd", "bhnd2", "nbhd", "bnhd", "bhnd")),
+    (2, 1, 45, 45, 32, True, 0.3, 32, 16, 1.0, False,
+     ("bnhd", "bhnd2", "bhnd", "nbhd", "hbnd", "bhnd", "nbhd")),
+    (1, 2, 23, 40, 16, False, 0.6, 16, 16, 3.0, False,
+     ("nbhd", "hbnd", "bnhd", "bhnd", "bhnd2", "bhnd", "bhnd")),
+    (1, 2, 50, 29, 16, True, None, 16, 32, 1.0, True,
+     ("hbnd", "bhnd", "nbhd", "bnhd", "bhnd2", "hbnd", "bnhd")),
+)
 
 
 def kernel_cases(seed: int = 7_5) -> list[Case]:
-    """Exercise 7.5's cases: KERNEL_SPECS in the exact dtype, two of them again in the fast one."""
+    """Exercise 7.5's cases (``KERNEL_SPECS``): args ``(q, k, v, o, lse, do)``, kwargs causal,
+    scale, the tile sizes and the layouts the kernels see."""
     gen = torch.Generator().manual_seed(seed)
     exact, fast = _kernel_case_dtypes()
-    specs = [spec + (exact,) for spec in KERNEL_SPECS] + [KERNEL_SPECS[1] + (fast,),
-                                                          KERNEL_SPECS[3] + (fast,)]
     cases = []
-    for batch, heads, n_q, n_k, d, causal, dtype in specs:
-        scale = default_scale(d)
-        args = _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale, _rt.device)
+    for (batch, heads, n_q, n_k, d, causal, scale, block_m, block_n, spread, is_fast,
+         layouts) in KERNEL_SPECS:
+        dtype = fast if is_fast else exact
+        scale = default_scale(d) if scale is None else scale
+        args = _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal, scale,
+                                  _rt.device, spread)
         label = (f"{'causal' if causal else 'non-causal'}, (B, H)=({batch}, {heads}), N_q={n_q}, "
-                 f"N_k={n_k}, d={d}, {str(dtype).replace('torch.', '')}, "
-                 f"BLOCK_M=BLOCK_N={CHECK_BLOCK}")
-        cases.append(Case(args, {"causal": causal, "scale": scale}, label=label))
+                 f"N_k={n_k}, d={d}, scale={scale:.3g}, {str(dtype).replace('torch.', '')}, "
+                 f"BLOCK_M={block_m}, BLOCK_N={block_n}"
+                 + (", scores up to ±80" if spread > 1 else "")
+                 + "; q, k, v, o, do each with its own strides")
+        cases.append(Case(args, {"causal": causal, "scale": scale, "block_m": block_m,
+                                 "block_n": block_n, "layouts": layouts}, label=label))
     return cases
 
 
-# Margins around each (B, H, N, d) tensor: a tile's worth of rows after every head (a missing
-# row mask then reads NaN instead of the next head's rows) and a few columns after every row (so
-# stride_qn != d and a kernel that assumes contiguous rows shows). LSE and DELTA stay contiguous.
-ROW_MARGIN = CHECK_BLOCK
-COL_MARGIN = 8
-_MARGIN_4D = (0, 0, ROW_MARGIN, COL_MARGIN)
+_INPUT_NAMES = ("q", "k", "v", "o", "do")
 
 
-def _like(i):
-    return lambda *inputs: (tuple(inputs[i].shape), inputs[i].dtype)
+def kernel_runner(dkdv, dq_kern):
+    """``run(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts) -> (dq, dk, dv)``:
+    the learner's kernels on copies of the inputs placed in the case's layouts, inside buffers
+    whose margins (and column gaps) hold NaN, writing into outputs pre-filled with a sentinel.
+    Raises :class:`kernel_checks.KernelProblem` for what only the run can see: an access
+    outside the tensors (the memory guard, in the interpreter), a store into an input or past
+    an output, elements never written, NaN that came from outside the inputs (GPU)."""
+    def launch(args, layouts, block_m, block_n, causal, scale, fill):
+        q, k, v, o, lse, do = args
+        placed = [_place(x, lay, fill) for x, lay in zip((q, k, v, o, do), layouts)]
+        pristine = [buffer.clone() for _, buffer in placed]
+        dq, dq_buf = _place(torch.full_like(q, OUTPUT_SENTINEL), layouts[5], OUTPUT_SENTINEL)
+        dk, dk_buf = _place(torch.full_like(k, OUTPUT_SENTINEL), layouts[6], OUTPUT_SENTINEL)
+        dv, dv_buf = _place(torch.full_like(v, OUTPUT_SENTINEL), layouts[6], OUTPUT_SENTINEL)
+        (qp, kp, vp, op, dop) = (view for view, _ in placed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings
+            launch_backward(dkdv, dq_kern, qp, kp, vp, op, lse.clone(), dop, causal, scale,
+                            block_m, block_n, dq=dq, dk=dk, dv=dv)
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+        for name, (_, buffer), before in zip(_INPUT_NAMES, placed, pristine):
+            if not checks.same_value(before, buffer):
+                raise kernel_checks.KernelProblem(
+                    f"your kernel wrote into its input `{name}` — inputs are read-only: tl.store "
+                    f"only to DK, DV (dkdv_kernel) and DQ (dq_kernel)")
+        outputs = []
+        for name, view, buffer in (("dq", dq, dq_buf), ("dk", dk, dk_buf), ("dv", dv, dv_buf)):
+            written = (buffer != OUTPUT_SENTINEL).sum() - (view != OUTPUT_SENTINEL).sum()
+            if int(written):
+                raise kernel_checks.KernelProblem(
+                    f"your kernel wrote {int(written)} value(s) outside {name} "
+                    f"{tuple(view.shape)} — the last, ragged tile sticks out past N: mask every "
+                    f"tl.store with rows < n_q (dq) or cols < n_k (dk, dv)")
+            never = torch.nonzero(view == OUTPUT_SENTINEL)
+            if len(never):
+                first = tuple(int(i) for i in never[0])
+                raise kernel_checks.KernelProblem(
+                    f"{len(never)} element(s) of {name} {tuple(view.shape)} were never written "
+                    f"(first at index {first}: batch {first[0]}, head {first[1]}, row "
+                    f"{first[2]}) — {'dK/dV programs cover cdiv(n_k, BLOCK_N) key tiles' if name != 'dq' else 'dQ programs cover cdiv(n_q, BLOCK_M) query tiles'} for every (batch, head) = program_id(1)")
+            outputs.append(view.clone())
+        return tuple(outputs)
+
+    def run(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts):
+        args = (q, k, v, o, lse, do)
+        grads = launch(args, layouts, block_m, block_n, causal, scale, kernel_checks.INPUT_MARGIN_FILL)
+        finite_in = all(bool(torch.isfinite(x).all()) for x in args)
+        if finite_in and not all(bool(torch.isfinite(g).all()) for g in grads):
+            again = launch(args, layouts, block_m, block_n, causal, scale,
+                           kernel_checks.INPUT_MARGIN_REFILL)
+            if all(bool(torch.isfinite(g).all()) for g in again):  # the NaN came from the margins
+                raise kernel_checks.KernelProblem(
+                    "the output depends on memory outside the inputs (their margins hold NaN, and "
+                    "NaN came out): a tl.load reads past the ragged end or with a wrong stride — "
+                    "mask the rows of the last tile (rows[:, None] < n_q or cols < n_k, "
+                    "other=0.0) and use each tensor's own strides")
+        return grads  # NaN/inf from the arithmetic is judged (and explained) like any value
+
+    return run
 
 
-def kernel_runner(dkdv, dq_kern, causal, scale, mistakes=None) -> kernel_checks.GuardedRun:
-    """A guarded run of the two kernels on ``(q, k, v, o, lse, do)``."""
-    def launch(q, k, v, o, lse, do, dq, dk, dv):
-        launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal, scale, dq=dq, dk=dk, dv=dv)
-
-    def explain_nonfinite(inputs, outputs):
-        for cause, wrong in (mistakes or {}).items():
-            expected = wrong(*inputs, causal=causal, scale=scale)
-            atol, rtol = _default_tolerance(expected)
-            if all(compare(g, w, atol, rtol, equal_nan=True) is None
-                   for g, w in zip(outputs, expected)):
-                return cause
-        return None
-
-    return kernel_checks.GuardedRun(
-        launch=launch, margins=(_MARGIN_4D,) * 4 + ((1, 0, 0), _MARGIN_4D),
-        outputs=(kernel_checks.Output("dq", _MARGIN_4D, _like(0)), kernel_checks.Output("dk", _MARGIN_4D, _like(1)),
-                 kernel_checks.Output("dv", _MARGIN_4D, _like(2))),
-        store_hint="the last, ragged tile sticks out past N: mask every tl.store with rows < n_q "
-                   "(dq) or cols < n_k (dk, dv)",
-        coverage_hint="each program writes its own tile: dK/dV programs cover "
-                      "cdiv(n_k, BLOCK_N) key tiles, dQ programs cdiv(n_q, BLOCK_M) query tiles, "
-                      "for every (batch, head) = program_id(1)",
-        load_hint="a tl.load reads past the ragged end (or with a wrong stride): mask the rows "
-                  "of the last tile, mask=rows[:, None] < n_q (or cols < n_k) with other=0.0, and "
-                  "LSE, DELTA with rows < n_q",
-        explain_nonfinite=explain_nonfinite)
+OUTPUT_SENTINEL = kernel_checks.OUTPUT_SENTINEL
 
 
-def _kernel_mistake(name):
-    def wrong(q, k, v, o, lse, do, causal, scale):
+_BLOWS_UP_KERNEL = ("no_lse", "exp2_lse_natural")
+
+
+def _library_with(mistake: str | None):
+    """The library's kernels with one classic mistake switched on, on a case's inputs."""
+    def wrong(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts=None):
+        if mistake in _BLOWS_UP_KERNEL and float(
+                (q.double() @ k.double().transpose(-1, -2)).abs().max()) * abs(scale) > 2 * UNSTABLE_SCORE:
+            raise FloatingPointError("rounding decides this mistake's result here")
+        blocks = tuning.Blocks(block_m, block_n)
         with warnings.catch_warnings():  # NumPy's overflow warnings from the interpreter
             warnings.simplefilter("ignore", RuntimeWarning)
-            return launch_backward(dkdv_kernel, dq_kernel, q, k, v, o, lse, do, causal, scale,
-                                   mistake=name)
+            return backward.attention_backward(do, q, k, v, o, lse, causal, scale, blocks, blocks,
+                                               mistake=mistake)
+    wrong.__name__ = f"backward_{mistake}"
     return wrong
 
 
-KERNEL_MISTAKES = {
+def _library_default_scale(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts=None):
+    """The library's kernels run with 1/√d instead of the scale they were given."""
+    return _library_with(None)(q, k, v, o, lse, do, causal, default_scale(q.shape[-1]),
+                                 block_m, block_n)
+
+
+# cause -> (mistake model, the gradients it can change: the others it leaves right)
+_KERNEL_MODELS = {
     "the scale is missing from dK: dk = scale · dSᵀ Q (multiply once, after the loop)":
-        _kernel_mistake("dk_no_scale"),
+        ("dk_no_scale", {"dk"}),
     "the scale is missing from dQ: dq = scale · dS K (multiply once, after the loop)":
-        _kernel_mistake("dq_no_scale"),
+        ("dq_no_scale", {"dq"}),
     "DELTA was recomputed from this tile's P ∘ dP (tl.sum(p * dp, axis=1)), a partial row "
-    "sum — load DELTA, the row's full rowsum(dO ∘ O)": _kernel_mistake("d_from_tile"),
+    "sum — load DELTA, the row's full rowsum(dO ∘ O)": ("d_from_tile", {"dq", "dk"}),
     "P was rebuilt with a softmax over this tile alone: use the saved statistics, "
-    "p = exp(scale · q kᵀ − lse[:, None])": _kernel_mistake("tile_softmax"),
+    "p = exp(scale · q kᵀ − lse[:, None])": ("tile_softmax", {"dq", "dk", "dv"}),
     "the causal mask is missing in the backward: in tiles that straddle the diagonal, keys "
     "j > i must get p = 0 (tl.where(cols[None, :] <= rows[:, None], p, 0.0))":
-        _kernel_mistake("no_causal_mask"),
+        ("no_causal_mask", {"dq", "dk", "dv"}),
     "dV uses P instead of Pᵀ: dv += tl.dot(tl.trans(p), do) (keys along the rows)":
-        _kernel_mistake("dv_p_not_pt"),
+        ("dv_p_not_pt", {"dv"}),
+    "dK uses dS instead of dSᵀ: dk += tl.dot(tl.trans(ds), q) (keys along the rows)":
+        ("dk_ds_not_dst", {"dk"}),
+    "the sign of dS is flipped: ds = p · (dp − delta[:, None]), not p · (delta − dp)":
+        ("ds_sign", {"dq", "dk"}),
     "dq is overwritten in the K/V loop, not accumulated: dq += tl.dot(ds, k)":
-        _kernel_mistake("dq_overwrite"),
+        ("dq_overwrite", {"dq"}),
     "exp2 with the scores in log2 units but lse in natural-log units: subtract lse · LOG2_E "
-    "(or use tl.exp with natural units throughout)": _kernel_mistake("exp2_lse_natural"),
+    "(or use tl.exp with natural units throughout)": ("exp2_lse_natural", {"dq", "dk", "dv"}),
     "P = exp(S) without subtracting the saved lse: p = exp(S − lse[:, None])":
-        _kernel_mistake("no_lse"),
+        ("no_lse", {"dq", "dk", "dv"}),
+    "the causal K/V loop of dq_kernel stops at start_m + BLOCK_N: the tile's last query, "
+    "start_m + BLOCK_M − 1, sees keys up to itself — stop at min(n_k, start_m + BLOCK_M)":
+        ("kv_end_block_n", {"dq"}),
+    "LSE and DELTA are read without the head's offset: row r of head bh = b · n_heads + h is "
+    "at LSE + bh · n_q + r": ("rowstats_no_head", {"dq", "dk", "dv"}),
 }
 
 
+def _kernel_mistakes():
+    models = {cause: (_library_with(name), affected) for cause, (name, affected)
+              in _KERNEL_MODELS.items()}
+    models["the kernels use 1/√d instead of the scale argument: p = exp(scale · q kᵀ − lse) "
+           "and dk, dq · scale with the `scale` the launcher passes"] = (
+        _library_default_scale, {"dq", "dk", "dv"})
+    return models
+
+
+KERNEL_MISTAKES = {cause: model for cause, (model, _) in _kernel_mistakes().items()}
+
+
 def _kernel_blocks(case):
-    return {"block_m": CHECK_BLOCK, "block_n": CHECK_BLOCK}
+    kw = case.kwargs or {}
+    return {"block_m": kw.get("block_m", CHECK_BLOCK), "block_n": kw.get("block_n", CHECK_BLOCK)}
 
 
 @learner_check
 def check_backward_kernels(dkdv, dq_kern):
     """Exercise 7.5: check the learner's ``dkdv_kernel`` and ``dq_kernel`` together; returns the
-    pair to use (the answer keys :func:`dkdv_kernel`, :func:`dq_kernel` when not done yet)."""
-    def run(q, k, v, o, lse, do, causal, scale):
-        return kernel_runner(dkdv, dq_kern, causal, scale, KERNEL_MISTAKES)(q, k, v, o, lse, do)
-
-    return _check_gradients("Exercise 7.5", run, reference_gradients, kernel_cases(),
-                            fallback=(dkdv_kernel, dq_kernel), mistakes=KERNEL_MISTAKES,
-                            names=("dq", "dk", "dv"), blocks_of=_kernel_blocks,
-                            kernel_check=kernel_checks.check_kernel, answer=(dkdv, dq_kern))
+    pair to use (the library's :func:`course_lib.kernels.backward.dkdv_kernel` and
+    :func:`~course_lib.kernels.backward.dq_kernel` when not done yet, which
+    :func:`launch_backward` also runs)."""
+    return _check_gradients("Exercise 7.5", kernel_runner(dkdv, dq_kern), reference_gradients,
+                            kernel_cases(), fallback=(backward.dkdv_kernel, backward.dq_kernel),
+                            mistakes=_kernel_mistakes(), names=("dq", "dk", "dv"),
+                            blocks_of=_kernel_blocks, kernel_check=kernel_checks.check_kernel,
+                            answer=(dkdv, dq_kern))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -944,17 +1035,19 @@ def function_cases(seed: int = 7_6) -> list[Case]:
     fast one; N_q = N_k first, so gradients returned in the wrong order have the right shapes."""
     gen = torch.Generator().manual_seed(seed)
     exact, fast = _kernel_case_dtypes()
-    specs = [(1, 2, 32, 32, 16, False, None, exact), (1, 1, 45, 45, 32, True, None, exact),
-             (2, 1, 50, 29, 16, True, 0.2, exact), (1, 2, 23, 40, 16, False, None, exact),
-             (1, 1, 37, 37, 16, True, None, fast)]
+    specs = [(1, 2, 32, 32, 16, False, None, exact, None), (1, 1, 45, 45, 32, True, None, exact, None),
+             (2, 2, 50, 29, 16, True, 0.2, exact, "bnhd"), (1, 2, 23, 40, 16, False, None, exact, "hbnd"),
+             (1, 1, 37, 37, 16, True, None, fast, None)]
     cases = []
-    for batch, heads, n_q, n_k, d, causal, scale, dtype in specs:
+    for batch, heads, n_q, n_k, d, causal, scale, dtype, layout in specs:
         scale = default_scale(d) if scale is None else scale
         q, k, v, _, _, do = _attention_problem(gen, batch, heads, n_q, n_k, d, dtype, causal,
                                                scale, _rt.device)
+        if layout:  # q, k, v as strided views (heads interleaved, or a column stride of 2)
+            q, k, v = (_place(x, lay, 0.0)[0] for x, lay in zip((q, k, v), (layout, "bhnd2", "nbhd")))
         label = (f"{'causal' if causal else 'non-causal'}, (B, H)=({batch}, {heads}), "
                  f"N_q={n_q}, N_k={n_k}, d={d}, scale={scale:.3g}, "
-                 f"{str(dtype).replace('torch.', '')}")
+                 f"{str(dtype).replace('torch.', '')}" + (", non-contiguous q, k, v" if layout else ""))
         cases.append(Case((q, k, v, do), {"causal": causal, "scale": scale}, label=label))
     return cases
 
@@ -977,7 +1070,8 @@ def _function_mistake(name):
             q, k, v, o, lse = ctx.saved_tensors
             causal = False if name == "causal_not_passed" else ctx.causal
             scale = default_scale(q.shape[-1]) if name == "default_scale" else ctx.scale
-            dq, dk, dv = launch_backward(dkdv_kernel, dq_kernel, q, k, v, o, lse, do, causal, scale)
+            dq, dk, dv = launch_backward(backward.dkdv_kernel, backward.dq_kernel, q, k, v, o, lse,
+                                         do, causal, scale)
             if name == "swapped":
                 return dk, dq, dv, None, None
             return dq, dk, dv, None, None
