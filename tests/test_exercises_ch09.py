@@ -121,7 +121,7 @@ def test_dividing_by_the_reciprocal_also_passes(capsys):
         return (x32 * inverse).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(torch.float8_e4m3fn), scale
 
     assert ch09.check_quantize_e4m3(quantize) is quantize
-    assert "Exercise 9.2: passed (5 cases)" in capsys.readouterr().out
+    assert "Exercise 9.2: passed (6 cases)" in capsys.readouterr().out
 
 
 def test_quantize_model_defaults_are_the_library():
@@ -134,6 +134,321 @@ def test_wrong_dtypes_are_diagnosed():
     with pytest.raises(ExerciseFailed, match="dtype float32 but expected float8_e4m3fn"):
         ch09.check_quantize_e4m3(lambda x, block: (fp8.quantize_e4m3(x, block)[0].float(),
                                                    fp8.quantize_e4m3(x, block)[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrong answers to 9.1 and 9.2 written as learners write them, each with the cause its diagnosis
+# must name or None (no cause may be named); right answers in other styles, which must pass.
+
+
+def _sylvester_loop(d):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _kron_hadamard(d):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.kron(base, h)
+    return h
+
+
+def _signs_skeleton(d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).double()
+
+
+def _rot(q, k, r_q, r_k=None):
+    r_k = r_q if r_k is None else r_k
+    return (q.double() @ r_q).to(q.dtype), (k.double() @ r_k).to(k.dtype)
+
+
+def _rotate_corpus():
+    c = ch09.ROTATE_MISTAKES
+
+    def unnormalised(q, k, seed):
+        d = q.shape[-1]
+        return _rot(q, k, torch.diag(_signs_skeleton(d, seed)) @ _sylvester_loop(d))
+
+    def zero_one(q, k, seed):
+        d = q.shape[-1]
+        gen = torch.Generator().manual_seed(seed)
+        s = torch.randint(0, 2, (d,), generator=gen).double()
+        return _rot(q, k, s[:, None] * _sylvester_loop(d) / math.sqrt(d))
+
+    def two_draws(q, k, seed):
+        d = q.shape[-1]
+        gen = torch.Generator().manual_seed(seed)
+        h = _sylvester_loop(d) / d ** 0.5
+        s_q = (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).double()
+        s_k = (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).double()
+        return _rot(q, k, s_q[:, None] * h, s_k[:, None] * h)
+
+    def only_q(q, k, seed):
+        d = q.shape[-1]
+        r = _signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / math.sqrt(d)
+        return (q.double() @ r).to(q.dtype), k.clone()
+
+    def random_pm(q, k, seed):
+        d = q.shape[-1]
+        gen = torch.Generator().manual_seed(seed)
+        r = (torch.randint(0, 2, (d, d), generator=gen) * 2 - 1).double() / math.sqrt(d)
+        return _rot(q, k, r)
+
+    def no_minus(q, k, seed):
+        d = q.shape[-1]
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while len(h) < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, h], 1)], 0)
+        return _rot(q, k, _signs_skeleton(d, seed)[:, None] * h / math.sqrt(d))
+
+    def signs_only(q, k, seed):
+        s = _signs_skeleton(q.shape[-1], seed)
+        return (q.double() * s).to(q.dtype), (k.double() * s).to(k.dtype)
+
+    def transposed(q, k, seed):  # q @ Rᵀ = q @ H · diag(s): the signs after H
+        d = q.shape[-1]
+        r = _signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / math.sqrt(d)
+        return _rot(q, k, r.T)
+
+    def no_signs(q, k, seed):
+        d = q.shape[-1]
+        return _rot(q, k, _kron_hadamard(d) / math.sqrt(d))
+
+    def global_rng(q, k, seed):
+        d = q.shape[-1]
+        s = torch.randint(0, 2, (d,)).double() * 2 - 1
+        return _rot(q, k, s[:, None] * _sylvester_loop(d) / math.sqrt(d))
+
+    def wrong_dtype(q, k, seed):
+        d = q.shape[-1]
+        r = _signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / math.sqrt(d)
+        return q.double() @ r, k.double() @ r
+
+    def divided_by_d(q, k, seed):
+        d = q.shape[-1]
+        return _rot(q, k, _signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / d)
+
+    def twice(q, k, seed):
+        d = q.shape[-1]
+        r = _signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / math.sqrt(d)
+        return _rot(q, k, r @ r)
+
+    return [
+        (unnormalised, _one(c, "H is not normalised")),
+        (zero_one, _one(c, "the random signs are 0 or 1")),
+        (two_draws, _one(c, "q and k get different random signs")),
+        (only_q, _one(c, "only q is rotated")),
+        (random_pm, _one(c, "R is a random ±1/√d matrix")),
+        (no_minus, _one(c, "the doubling step is [[H, H], [H, H]]")),
+        (signs_only, _one(c, "R = diag(s) has random signs")),
+        (transposed, _one(c, "the signs are applied after H")),
+        (no_signs, _one(c, "R = H with no random signs")),
+        (global_rng, _one(c, "the signs come from torch's global generator")),
+        (wrong_dtype, None),
+        (divided_by_d, None),
+        (twice, None),
+    ]
+
+
+def _rotate_valid():
+    def kron_numpy_signs(q, k, seed):
+        import numpy as np
+
+        d = q.shape[-1]
+        s = torch.from_numpy(np.random.default_rng(seed).choice([-1.0, 1.0], size=d))
+        r = torch.diag(s) @ _kron_hadamard(d) / math.sqrt(d)
+        return (q.double() @ r).to(q.dtype), (k.double() @ r).to(k.dtype)
+
+    def fast_walsh(q, k, seed):  # the butterfly, no matrix
+        d = q.shape[-1]
+        s = _signs_skeleton(d, seed + 7)
+
+        def transform(x):
+            y = x.double() * s
+            h = 1
+            while h < d:
+                y = y.unflatten(-1, (d // (2 * h), 2, h))
+                a, b = y[..., 0, :], y[..., 1, :]
+                y = torch.stack([a + b, a - b], dim=-2).flatten(-3)
+                h *= 2
+            return (y / math.sqrt(d)).to(x.dtype)
+        return transform(q), transform(k)
+
+    def float32_throughout(q, k, seed):
+        d = q.shape[-1]
+        r = (_signs_skeleton(d, seed)[:, None] * _sylvester_loop(d) / math.sqrt(d))
+        r = r.to(q.dtype)
+        return q @ r, k @ r.to(k.dtype)
+
+    return [kron_numpy_signs, fast_walsh, float32_throughout]
+
+
+def _quantize_corpus():
+    c = ch09.QUANTIZE_MISTAKES
+    E = fp8.E4M3_MAX
+
+    def blocks_of(x, block):
+        n = x.shape[-2]
+        block = n if block is None else block
+        n_blocks = math.ceil(n / block)
+        padded = torch.nn.functional.pad(x.float(), (0, 0, 0, n_blocks * block - n))
+        return n, block, n_blocks, padded
+
+    def quantize_with(amax_of, scale_of=lambda amax: torch.where(amax > 0, amax / E, 1.0),
+                      apply=lambda x, rows: x / rows, pad_value=0.0):
+        def quantize(x, block=None):
+            n, block, n_blocks, padded = blocks_of(x, block)
+            if pad_value:
+                padded[..., n:, :] = pad_value
+            scale = scale_of(amax_of(padded, n_blocks, block))[..., None]
+            rows = scale.repeat_interleave(block, dim=-2)[..., :n, :]
+            return apply(x.float(), rows).clamp(-E, E).to(torch.float8_e4m3fn), scale
+        return quantize
+
+    def block_amax(p, nb, b):
+        return p.abs().unflatten(-2, (nb, b)).amax(dim=(-2, -1))
+
+    def per_row(x, block=None):
+        amax = x.float().abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / E, 1.0)
+        return (x.float() / scale).clamp(-E, E).to(torch.float8_e4m3fn), scale
+
+    def whole_tensor(x, block=None):
+        n, block, n_blocks, padded = blocks_of(x, block)
+        scale = torch.full(x.shape[:-2] + (n_blocks, 1), float(x.float().abs().max()) / E)
+        rows = scale.repeat_interleave(block, dim=-2)[..., :n, :]
+        return (x.float() / rows).clamp(-E, E).to(torch.float8_e4m3fn), scale
+
+    def loop_no_guard(x, block=None):
+        n = x.shape[-2]
+        block = n if block is None else block
+        scales, parts = [], []
+        for start in range(0, n, block):
+            part = x[..., start:start + block, :].float()
+            s = part.abs().amax(dim=(-2, -1), keepdim=True) / E
+            scales.append(s)
+            parts.append(part / s)
+        return (torch.cat(parts, -2).clamp(-E, E).to(torch.float8_e4m3fn),
+                torch.cat(scales, -2))
+
+    def scale_without_trailing_one(x, block=None):
+        x_fp8, scale = fp8.quantize_e4m3(x, block)
+        return x_fp8, scale[..., 0]
+
+    def scale_in_input_dtype(x, block=None):
+        x_fp8, scale = fp8.quantize_e4m3(x, block)
+        return x_fp8, scale.to(x.dtype)
+
+    def floor_blocks(x, block=None):
+        n = x.shape[-2]
+        block = n if block is None else block
+        n_blocks = n // block
+        amax = x.float()[..., :n_blocks * block, :].abs().unflatten(-2, (n_blocks, block)).amax(
+            dim=(-2, -1))
+        scale = torch.where(amax > 0, amax / E, 1.0)[..., None]
+        rows = scale.repeat_interleave(block, dim=-2)
+        rows = torch.cat([rows, rows[..., -1:, :].expand(*rows.shape[:-2], n - rows.shape[-2], 1)],
+                         -2)
+        return (x.float() / rows).clamp(-E, E).to(torch.float8_e4m3fn), scale
+
+    return [
+        (quantize_with(block_amax, scale_of=lambda a: torch.where(a > 0, E / a, 1.0),
+                       apply=lambda x, rows: x * rows), _one(c, "the scale is inverted")),
+        (quantize_with(block_amax, apply=lambda x, rows: x * rows), _one(c, "x is multiplied")),
+        (whole_tensor, _one(c, "one amax for the whole tensor")),
+        (quantize_with(lambda p, nb, b: p.unflatten(-2, (nb, b)).amax(dim=(-2, -1))),
+         _one(c, "the amax is max(x), not max(|x|)")),
+        (quantize_with(block_amax, scale_of=lambda a: torch.where(a > 0, a / 127.0, 1.0)),
+         _one(c, "the peak is mapped to 127")),
+        (quantize_with(block_amax, scale_of=lambda a: torch.where(a > 0, a / 240.0, 1.0)),
+         _one(c, "the peak is mapped to 240")),
+        (loop_no_guard, _one(c, "a block of zeros gets scale 0")),
+        (quantize_with(lambda p, nb, b: p.abs().view(*p.shape[:-2], b, nb, p.shape[-1]).amax(
+            dim=(-3, -1))), _one(c, "the blocks interleave the rows")),
+        (per_row, _one(c, "one scale per row")),
+        (quantize_with(block_amax, apply=lambda x, rows: torch.round(x / rows)),
+         _one(c, "the scaled values are rounded")),
+        (quantize_with(block_amax, pad_value=1.0), None),
+        (scale_without_trailing_one, None),
+        (scale_in_input_dtype, None),
+        (floor_blocks, None),
+    ]
+
+
+def _quantize_valid():
+    E = fp8.E4M3_MAX
+
+    def loop(x, block=None):
+        n = x.shape[-2]
+        block = n if block is None else block
+        scales, parts = [], []
+        for start in range(0, n, block):
+            part = x[..., start:start + block, :].float()
+            amax = part.abs().amax(dim=(-2, -1), keepdim=True)
+            s = torch.where(amax > 0, amax / E, torch.ones_like(amax))
+            scales.append(s)
+            parts.append(part / s)
+        return torch.cat(parts, -2).to(torch.float8_e4m3fn), torch.cat(scales, -2)
+
+    def no_clamp(x, block=None):
+        x_fp8, scale = fp8.quantize_e4m3(x, block)
+        n = x.shape[-2]
+        b = n if block is None else block
+        rows = scale.repeat_interleave(b, dim=-2)[..., :n, :]
+        return (x.float() / rows).to(torch.float8_e4m3fn), scale
+
+    def reshape_with_index(x, block=None):
+        n = x.shape[-2]
+        b = n if block is None else block
+        which = torch.arange(n) // b  # the block of each row
+        n_blocks = int(which[-1]) + 1
+        amax = torch.zeros(*x.shape[:-2], n_blocks)
+        amax = amax.index_reduce(-1, which, x.float().abs().amax(dim=-1), "amax")
+        scale = torch.where(amax > 0, amax / E, 1.0)[..., None]
+        return (x.float() / scale[..., which, :]).clamp(-E, E).to(torch.float8_e4m3fn), scale
+
+    return [loop, no_clamp, reshape_with_index]
+
+
+def _one(mistakes, start):
+    found = [c for c in mistakes if c.startswith(start)]
+    assert len(found) == 1, start
+    return found[0]
+
+
+CORPORA = {
+    "9.1": (ch09.check_rotate_qk, ch09.ROTATE_MISTAKES, _rotate_corpus()),
+    "9.2": (ch09.check_quantize_e4m3, ch09.QUANTIZE_MISTAKES, _quantize_corpus()),
+}
+
+
+@pytest.mark.parametrize("exercise, i", [(e, i) for e, (_, _, corpus) in CORPORA.items()
+                                         for i in range(len(corpus))])
+def test_learner_wrong_answers_are_rejected_and_never_misdiagnosed(exercise, i):
+    check, mistakes, corpus = CORPORA[exercise]
+    answer, cause = corpus[i]
+    with pytest.raises(ExerciseFailed) as info:
+        check(answer)
+    message = str(info.value)
+    assert message.startswith(f"✗ Exercise {exercise}"), message
+    named = [c for c in mistakes if f"likely cause: {c}" in message]
+    if cause is None:
+        assert not named and "likely cause" not in message, message
+        assert "two known mistakes reproduce" not in message, message
+    else:
+        assert named == [cause], message
+
+
+@pytest.mark.parametrize("exercise, answer", [*[("9.1", a) for a in _rotate_valid()],
+                                              *[("9.2", a) for a in _quantize_valid()]])
+def test_right_answers_in_other_styles_pass(exercise, answer, capsys):
+    check = CORPORA[exercise][0]
+    assert check(answer) is answer
+    assert f"Exercise {exercise}: passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, hints, skeleton, words", [

@@ -364,8 +364,9 @@ def quantize_model(x, block, *, scope="block", peak="abs", fp8_max=fp8.E4M3_MAX,
         zero_guard: a zero block gets scale 1 (else 0, and 0/0 = NaN).
         inverted: scale = fp8_max / amax and ``x_fp8 = x · scale``.
         multiplied: ``x_fp8 = x · scale`` with the right scale.
-        interleaved: blocks of rows ``r ≡ j (mod n_blocks)`` (the reshape to ``(block,
-            n_blocks)`` instead of ``(n_blocks, block)``).
+        interleaved: the amax of block j taken over the rows ``r ≡ j (mod n_blocks)`` (the
+            reshape to ``(block, n_blocks)`` instead of ``(n_blocks, block)``); the scales are
+            then applied to the blocks of consecutive rows, as the skeleton does.
         rounded: ``torch.round`` before the cast (int8's habit).
 
     Returns:
@@ -395,9 +396,7 @@ def quantize_model(x, block, *, scope="block", peak="abs", fp8_max=fp8.E4M3_MAX,
     scale = scale[..., None]  # (..., n_blocks, 1) or (..., N, 1)
     if scope == "row":
         per_row = scale
-    elif interleaved:
-        per_row = scale.repeat(*([1] * (scale.ndim - 2)), block, 1)[..., :n, :]
-    else:
+    else:  # each row divided by the scale of block row // block (the skeleton's repeat_interleave)
         per_row = scale.repeat_interleave(block, dim=-2)[..., :n, :]
     scaled = x32 * per_row if (inverted or multiplied) else x32 / per_row
     if rounded:
@@ -458,6 +457,14 @@ def _blocky(gen, lead, n, d, block):
     return torch.where(peak != 0, peak * size[:, None] * size_lead, x)
 
 
+def _small_last_block(gen):
+    """``(2, 20, 16)`` float32 whose last block (4 of its 8 rows: ragged) holds values below 0.01,
+    its peak negative: padding with anything but zeros would change its amax."""
+    x = _blocky(gen, (2,), 20, 16, 8)
+    x[..., 16:, :] = x[..., 16:, :] * 1e-3 / BLOCK_GROWTH ** 2
+    return x
+
+
 def _quantize_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(9_2)
     zero_block = _blocky(gen, (1, 2), 48, 16, 16)
@@ -473,6 +480,8 @@ def _quantize_cases() -> list[Case]:
              "blocks of 8; outputs (x_fp8, scale float32)"),
         Case((_blocky(gen, (2,), 10, 16, 64), 64), label="(2, 10, 16), block 64 > N: one block; "
              "outputs (x_fp8, scale)"),
+        Case((_small_last_block(gen), 8), label="(2, 20, 16), blocks of 8: the last block (4 "
+             "rows) holds values below 0.01; outputs (x_fp8, scale)"),
     ]
 
 
