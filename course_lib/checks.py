@@ -400,11 +400,25 @@ def _isolated(output: CapturedOutput):
             torch.set_grad_enabled(saved[1])
 
 
+def copy_with_strides(x: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` with the same strides (a transposed or strided view stays one), so that a
+    check's non-contiguous case reaches the learner's function as it was built. ``x.copy()``
+    would hand every function a contiguous array."""
+    if x.flags.c_contiguous or x.size == 0 or any(st < 0 for st in x.strides) \
+            or any(st % x.itemsize for st in x.strides) or x.dtype.hasobject:
+        return x.copy()
+    span = sum((n - 1) * st for n, st in zip(x.shape, x.strides)) // x.itemsize + 1
+    buffer = np.zeros(span, dtype=x.dtype)
+    y = np.lib.stride_tricks.as_strided(buffer, shape=x.shape, strides=x.strides)
+    y[...] = x
+    return y
+
+
 def _copy_value(x: Any) -> Any:
     """A copy of every array/tensor in ``x`` (through tuples, lists and dicts); other values as
     they are (numbers, strings, None are immutable)."""
     if isinstance(x, np.ndarray):
-        return x.copy()
+        return copy_with_strides(x)
     if _is_tensor(x):
         return x.detach().clone().requires_grad_(x.requires_grad)
     if isinstance(x, tuple):
@@ -735,7 +749,7 @@ def check_function(
     def failed(*lines: str) -> ExerciseFailed:
         return failed_with(exercise, "\n".join([*lines, *output.excerpt(subject)]))
 
-    runs: list[_Run] = []  # evidence: what fn returned on each case it ran
+    runs: list[CaseRun] = []  # evidence: what fn returned on each case it ran
     for n, case in enumerate(cases, 1):
         kwargs = case.kwargs or {}
         want = reference(*case.args, **kwargs)
@@ -774,7 +788,7 @@ def check_function(
                          f"and copy before assigning into it (`{name} = {name}.copy()`, or "
                          f"`.clone()` for a tensor)")
         atol, rtol = tolerance or _default_tolerance(want)
-        runs.append(_Run(n, case, want, got, compare(got, want, atol, rtol), (atol, rtol)))
+        runs.append(CaseRun(n, case, want, got, compare(got, want, atol, rtol), (atol, rtol)))
     first = next((r for r in runs if r.problem), None)
     if first is None:
         if not quiet:
@@ -800,7 +814,7 @@ def check_function(
 
 
 @dataclass
-class _Run:
+class CaseRun:
     """One case the learner's function ran on: its number, inputs, the right output, what it
     returned, what is wrong with it (None: right) and the tolerance used."""
 
@@ -812,7 +826,10 @@ class _Run:
     tolerance: tuple[float, float]
 
 
-def consistent_causes(runs: Sequence[_Run], mistakes: dict[str, Callable]) -> list[str]:
+_Run = CaseRun  # the name chapter code used first
+
+
+def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) -> list[str]:
     """The causes whose mistake model reproduces the learner's output on every case where both
     ran: on the first wrong case (the one the diagnosis shows) and on every other case, right or
     wrong (a model that would have failed a case the learner got right is ruled out). A model
@@ -842,7 +859,7 @@ def consistent_causes(runs: Sequence[_Run], mistakes: dict[str, Callable]) -> li
 MAX_CAUSES_SHOWN = 2
 
 
-def cause_lines(runs: Sequence[_Run], mistakes: dict[str, Callable]) -> list[str]:
+def cause_lines(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) -> list[str]:
     """The diagnosis lines about the cause: one "likely cause" when the evidence singles one out,
     the two candidates when exactly two reproduce the output, nothing when none or many do."""
     causes = list(dict.fromkeys(consistent_causes(runs, mistakes)))
