@@ -460,9 +460,12 @@ def check_exp2(update, finish):
 # output, the first bad row, its Q tile and the K tiles it sees, and the likely cause, found by
 # replaying the teaching kernel with one known mistake on the same guarded inputs.
 
-# Margins of the guarded (B, H, N, d) inputs: a spare head after each batch's heads (so the
-# batch stride is not H · head stride), a tile of rows after each head, columns after each row.
-FORWARD_INPUT_MARGIN = (0, 1, CHECK_BLOCK, COL_MARGIN)
+# Layouts of the guarded (B, H, N, d) inputs, one per tensor: (B, N, H, d) memory seen as
+# (B, H, N, d) (heads interleaved with rows), a column stride != 1 ((B, H, d, N) memory), a spare
+# head after each batch's heads and gaps between rows.
+BNHD = ch05.Layout((0, 2, 1, 3), (0, 0, 1, 4))
+COLUMNS_STRIDED = ch05.Layout((0, 1, 3, 2), (0, 1, 0, 3))
+SPARE_HEAD_4D = ch05.Layout((0, 1, 2, 3), (1, 1, CHECK_BLOCK, COL_MARGIN))
 
 
 def library_forward(q, k, v, causal: bool = False, scale: float | None = None,
@@ -474,21 +477,23 @@ def library_forward(q, k, v, causal: bool = False, scale: float | None = None,
 
 @contextlib.contextmanager
 def _sentinel_allocations():
-    """While active, ``torch.empty``/``torch.empty_like`` (contiguous, floating point) return
-    views of buffers one slice longer along dim 0, all filled with the sentinel.
-
-    Yields the list of ``(view, buffer)`` made, to find the outputs a launcher allocated.
-    """
+    """While active, ``torch.empty``/``torch.empty_like`` return tensors filled with the sentinel
+    (contiguous ones as views of buffers one slice longer along dim 0, to see a store past the
+    end on a GPU). Yields the list of ``(allocation, buffer)`` made."""
     made = []
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def guard(t):
-        if not t.is_floating_point() or t.ndim == 0 or t.numel() == 0 or not t.is_contiguous():
+        if not t.is_floating_point() or t.ndim == 0 or t.numel() == 0:
             return t
-        buffer = torch.full((t.shape[0] + 1, *t.shape[1:]), kernel_checks.OUTPUT_SENTINEL, dtype=t.dtype,
-                            device=t.device)
-        made.append((buffer[: t.shape[0]], buffer))
-        return made[-1][0]
+        if t.is_contiguous():
+            buffer = torch.full((t.shape[0] + 1, *t.shape[1:]), kernel_checks.OUTPUT_SENTINEL,
+                                dtype=t.dtype, device=t.device)
+            t = buffer[: t.shape[0]]
+        else:
+            buffer = t.fill_(kernel_checks.OUTPUT_SENTINEL)
+        made.append((t, buffer))
+        return t
 
     torch.empty = lambda *args, **kwargs: guard(real_empty(*args, **kwargs))
     torch.empty_like = lambda *args, **kwargs: guard(real_empty_like(*args, **kwargs))
@@ -496,6 +501,32 @@ def _sentinel_allocations():
         yield made
     finally:
         torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+@contextlib.contextmanager
+def _kernel_tensors_allowed(guard, inputs: dict):
+    """While active (interpreter), every tensor handed to a kernel launch is registered with the
+    memory guard under the kernel's parameter name: the check's inputs read-only, any other (what
+    the launcher allocated or copied) writable — judged afterwards by what the launcher returns."""
+    if not _rt.interpreted:
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+    ours = {x.untyped_storage().data_ptr() for x in inputs.values()}
+
+    def run(self, *args, **kwargs):
+        for name, a in [*zip(self.arg_names, args), *kwargs.items()]:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in ours:
+                guard.allow(name, a, write=True)
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = original
 
 
 def _buffer_of(t, made):
@@ -527,7 +558,7 @@ def _outputs_of(result, q):
     return tuple(result)
 
 
-def _unwritten(name, x):
+def _unwritten(name, x, block_m=CHECK_BLOCK):
     """A KernelProblem naming where ``x`` (B, H, N_q[, d]) still holds the sentinel, or None."""
     unwritten = x == kernel_checks.OUTPUT_SENTINEL
     if x.ndim == 4:
@@ -536,86 +567,133 @@ def _unwritten(name, x):
         return None
     b, h, row = (int(i) for i in torch.nonzero(unwritten)[0])
     rows_per_head = unwritten.sum(dim=-1)  # (B, H)
-    first_tile_done = not unwritten[..., :CHECK_BLOCK].any()
-    if first_tile_done and bool((unwritten[..., CHECK_BLOCK:]).all()):
-        cause = (f"only the first Q tile of each head was computed — the grid is too small: it "
-                 f"needs cdiv(N_q, BLOCK_M) · B · H programs, one per Q tile of each (batch, head)")
+    first_tile_done = not unwritten[..., :block_m].any()
+    if first_tile_done and bool((unwritten[..., block_m:]).all()):
+        pattern = (f"only the first Q tile of each head was written — as if the grid had one "
+                   f"program per (batch, head); it needs cdiv(N_q, BLOCK_M) · B · H programs")
     elif bool(((rows_per_head == 0) | (rows_per_head == x.shape[2])).all()):
-        cause = ("whole heads were never written — the grid must cover B · H heads, and each "
-                 "program's (batch, head) = (pid_bh // n_heads, pid_bh % n_heads) must reach "
-                 "o through b · stride_ob + h · stride_oh")
+        pattern = (f"{int((rows_per_head == x.shape[2]).sum())} of the {x.shape[0] * x.shape[1]} "
+                   f"(batch, head) pairs were never written at all, the others completely")
     else:
-        cause = ("some Q tiles were never written — program pid owns Q tile pid % cdiv(N_q, "
-                 "BLOCK_M) of (batch, head) pid // cdiv(N_q, BLOCK_M), and the grid must have "
-                 "cdiv(N_q, BLOCK_M) · B · H programs")
+        pattern = (f"program pid owns Q tile pid % cdiv(N_q, BLOCK_M) of (batch, head) "
+                   f"pid // cdiv(N_q, BLOCK_M), and the grid has cdiv(N_q, BLOCK_M) · B · H programs")
     return kernel_checks.KernelProblem(
         f"{int(unwritten.sum())} row(s) of {name} {tuple(x.shape)} were never written, the first "
-        f"row {row} of (batch {b}, head {h}), Q tile {row // CHECK_BLOCK} "
-        f"({_tiles(row, CHECK_BLOCK)})\n  likely cause: {cause}")
+        f"row {row} of (batch {b}, head {h}), Q tile {row // block_m} ({_tiles(row, block_m)}, "
+        f"BLOCK_M={block_m})\n  {pattern}")
 
 
-def _launch_guarded(launcher, q, k, v, causal, fill):
-    """Run the learner's launcher on guarded copies of q, k, v; return (o, lse, allocations)."""
-    embedded = [kernel_checks.embed(x, FORWARD_INPUT_MARGIN, fill) for x in (q, k, v)]
-    views = [view for view, _ in embedded]
-    pristine = [buffer.clone() for _, buffer in embedded]
-    with warnings.catch_warnings():  # the interpreter's NumPy overflow warnings: we diagnose
-        warnings.simplefilter("ignore", RuntimeWarning)
-        with _sentinel_allocations() as made:
-            result = launcher(*views, causal, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK)
+class ForwardRun:
+    """``run(q, k, v, causal=, scale=, block_m=, block_n=, layouts=) -> (o, lse)``: the learner's
+    launcher on guarded copies of q, k, v (each in its own layout); what the launcher allocates
+    is filled with the sentinel and registered with the memory guard when a kernel gets it;
+    outputs are judged by what the returned tensors view."""
+
+    def __init__(self, launcher):
+        self.launcher = launcher
+        self.nonfinite: dict = {}
+
+    def launch(self, q, k, v, causal, scale, block_m, block_n, layouts, fill):
+        layouts = tuple(layouts or ()) + (None,) * 3
+        placed = [ch05.place(x, lay, fill) for x, lay in zip((q, k, v), layouts)]
+        views = [view for view, _ in placed]
+        pristine = [buffer.clone() for _, buffer in placed]
+        kwargs = {"block_m": block_m, "block_n": block_n}
+        if scale is not None:
+            kwargs["scale"] = scale
+        with warnings.catch_warnings(), kernel_checks.memory_guard() as guard:
+            warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's overflows
+            for name, view in zip("qkv", views):
+                guard.allow(name, view)
+            with _sentinel_allocations() as made, _kernel_tensors_allowed(
+                    guard, dict(zip("qkv", views))):
+                try:
+                    result = self.launcher(*views, causal, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - the guard's diagnosis comes as it is
+                    violation = next((e for e in kernel_checks.exception_chain(exc)
+                                      if isinstance(e, kernel_checks.MemoryViolation)), None)
+                    if violation is None:
+                        raise
+                    raise kernel_checks.MemoryViolation(str(violation)) from None
         if q.device.type == "cuda":
             torch.cuda.synchronize()
-    for name, (_, buffer), before in zip("qkv", embedded, pristine):
-        if not checks.same_value(before, buffer):
-            raise kernel_checks.KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
-                                     f"read-only: tl.store only to O and LSE (pointers swapped?)")
-    o, lse = _outputs_of(result, q)
-    return o, lse, views, made
+        for name, (_, buffer), before in zip("qkv", placed, pristine):
+            if not checks.same_value(before, buffer):
+                raise kernel_checks.KernelProblem(f"your kernel wrote into its input `{name}` — "
+                                                  f"inputs are read-only: tl.store only to O and "
+                                                  f"LSE (pointers swapped?)")
+        o, lse = _outputs_of(result, q)
+        return o, lse, made
+
+    def __call__(self, q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK,
+                 block_n=CHECK_BLOCK, layouts=None):
+        o, lse, made = self.launch(q, k, v, causal, scale, block_m, block_n, layouts,
+                                   kernel_checks.INPUT_MARGIN_FILL)
+        for name, x in (("o", o), ("lse", lse)):
+            buffer = _buffer_of(x, made)
+            alloc = next((a for a, b in made if b is buffer), None)
+            if (buffer is not None and alloc is not None and buffer.shape[0] > alloc.shape[0]
+                    and bool((buffer[alloc.shape[0]:] != kernel_checks.OUTPUT_SENTINEL).any())):
+                raise kernel_checks.KernelProblem(
+                    f"your kernel wrote past the end of the tensor {name} views "
+                    f"{tuple(alloc.shape)}: a tl.store with a missing mask or a wrong offset")
+        for name, x in (("o", o), ("lse", lse)):
+            problem = _unwritten(name, x, block_m)
+            if problem:
+                raise problem
+        got = (o.clone(), lse.clone())
+        if not all(torch.isfinite(x).all() for x in got) and not _rt.interpreted:
+            again = self.launch(q, k, v, causal, scale, block_m, block_n, layouts,
+                                kernel_checks.INPUT_MARGIN_REFILL)[:2]
+            if all(torch.isfinite(x).all() for x in again):
+                raise kernel_checks.KernelProblem(
+                    "the output depends on memory outside the inputs (their margins hold NaN, "
+                    "and NaN came out): a load without a mask, or a wrong offset or stride")
+        return got
 
 
-def _value_problem(got, want, causal, n_k, dtype):
-    """One or two lines: which output is wrong, its first bad row, Q tile and K tiles, max error."""
-    atol, rtol = TOLERANCES[str(dtype).replace("torch.", "")]
-    wrong = []
-    for name, g, w in zip(("o", "lse"), got, want):
-        bad = ~torch.isclose(g.double(), w.double(), atol=atol, rtol=rtol)
-        if bad.any():
-            wrong.append((name, g, w, bad))
-    if not wrong:
-        return None
-    name, g, w, bad = wrong[0]
-    idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-    b, h, row = idx[:3]
-    diff = (g.double() - w.double()).abs()
-    err = "NaN/inf" if not torch.isfinite(diff).all() else f"{diff.max().item():.3g}"
-    last_tile = (min(row, n_k - 1) if causal else n_k - 1) // CHECK_BLOCK
-    k_tiles = (f"K tiles 0–{last_tile}" if last_tile else "K tile 0") + (
-        f", the last one ragged (N_k={n_k})"
-        if n_k % CHECK_BLOCK and last_tile == (n_k - 1) // CHECK_BLOCK else "")
-    which = "o and lse" if len(wrong) == 2 else f"{name} ({'lse' if name == 'o' else 'o'} is right)"
-    n_rows = int((bad.any(dim=-1) if bad.ndim == 4 else bad).sum())
-    return (f"wrong {which}: {n_rows} bad row(s) of {name}, max abs error {err} (atol={atol:g}, "
-            f"rtol={rtol:g})\n  first bad row {row} of (batch {b}, head {h}): Q tile "
-            f"{row // CHECK_BLOCK} ({_tiles(row, CHECK_BLOCK)}), which sees {k_tiles}; got "
-            f"{g[idx].item():.6g}, expected {w[idx].item():.6g}")
+def forward_runner(launcher):
+    """The guarded run of a learner's 6.5 launcher (see :class:`ForwardRun`)."""
+    return ForwardRun(launcher)
+
+
+def _forward_reference(q, k, v, causal=False, scale=None, **_):
+    return reference(q, k, v, causal, scale)
+
+
+def _forward_row_of(index, block_m=CHECK_BLOCK, **_) -> str:
+    b, h, row = index[:3]
+    return (f"row {row} of (batch {b}, head {h}) is in Q tile {row // block_m} "
+            f"({_tiles(row, block_m)}, BLOCK_M={block_m})")
 
 
 def _replay(pieces=LIBRARY_PIECES, flat_heads=False):
-    """A known-wrong launcher: the teaching kernel with ``pieces``, on BLOCK 16 tiles.
+    """A known-wrong launcher: the teaching kernel with ``pieces``, run as the case says (scale,
+    blocks, and q, k, v in the case's layouts), so that it computes what that mistake computes.
 
     ``flat_heads``: the kernel reaches (batch, head) as pid_bh · stride_h, as if the heads of
     all batches were evenly spaced (true only when B and H are contiguous together).
     """
-    def wrong(q, k, v, causal):
+    def wrong(q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK,
+              layouts=None):
+        layouts = tuple(layouts or ()) + (None,) * 3
+        views = [ch05.place(x, lay, 0.0)[0] for x, lay in zip((q, k, v), layouts)]
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        seen = [*views, o]
         if flat_heads:
-            q, k, v = (x.as_strided(x.shape, (x.shape[1] * x.stride(1), *x.stride()[1:]))
-                       for x in (q, k, v))
-        with warnings.catch_warnings():
+            seen = [x.as_strided(x.shape, (x.shape[1] * x.stride(1), *x.stride()[1:]))
+                    for x in seen]
+        if any(x.stride(-1) != 1 for x in seen):  # the teaching kernel reads columns at stride 1
+            seen = [x if x.stride(-1) == 1 else x.contiguous() for x in seen[:3]] + seen[3:]
+        scale = default_scale(q.shape[-1]) if scale is None else scale
+        with warnings.catch_warnings(), kernel_checks.memory_guard() as guard:
             warnings.simplefilter("ignore", RuntimeWarning)
-            launch_forward(pieces, q, k, v, o, lse, causal, default_scale(q.shape[-1]),
-                           CHECK_BLOCK, CHECK_BLOCK)
+            for name, x in zip("qkv", seen):
+                guard.allow(name, x if not flat_heads else views["qkv".index(name)])
+            guard.allow("o", o, write=True)
+            guard.allow("lse", lse, write=True)
+            launch_forward(pieces, *seen, lse, causal, scale, block_m, block_n)
         return o, lse
     return wrong
 
@@ -646,8 +724,9 @@ KV_LOADS_UNMASKED = ("the loads of the ragged last K/V tile are not masked: rows
 RAGGED_SCORES_NOT_MASKED = ("the scores of the padded keys past N_k are not masked: their K rows "
                             "load as 0, so their scores are 0, not -inf, and each adds exp(0 - m) "
                             "to l_i — set s to -inf where offs_n >= n_k")
-LSE_IN_LOG2 = ("lse is left in log2 units: with exp2, m_i + log2(l_i) is log2 Σ exp(s); multiply "
-               "by LN_2 (divide by LOG2_E) for the natural log the backward expects")
+LSE_IN_LOG2 = ("lse is left in log2 units: with exp2, m_i + log2(l_i) is log2 Σ exp(s); divide "
+               "by LOG2_E (from course_lib.kernels.tiles, imported at the top of the notebook) "
+               "for the natural log the backward expects")
 DIVIDED_INSIDE_LOOP = ("acc is divided by l_i inside the K/V loop: the division o = acc / l_i "
                        "belongs after the loop, once, when l_i sums every tile (is the epilogue "
                        "indented into the loop?)")
@@ -678,82 +757,38 @@ FORWARD_MISTAKES = {
         _replay(LIBRARY_PIECES.replace(mask_causal=_mask_causal_transposed)),
 }
 
-# (B, H, N_q, N_k, d, dtype, causal): ragged lengths, N_q ≠ N_k both ways, 2 batches × 2 heads
-# (so batch and head strides both matter), several 16-row tiles; the half-precision cases last.
+# (B, H, N_q, N_k, d, dtype, causal, scale, (block_m, block_n), logit factor, layouts of q, k, v):
+# ragged lengths, N_q ≠ N_k both ways with ragged last tiles where the causal loop end matters,
+# batches and heads > 1 (so batch and head strides both matter), each tensor in its own layout
+# (heads interleaved, a column stride != 1, spare heads and row gaps), explicit scales, BLOCK_M
+# ≠ BLOCK_N both ways, scores in the hundreds; the half-precision cases last.
 FORWARD_SPECS = (
-    (2, 2, 45, 45, 16, _case_dtypes()[0], False),
-    (1, 2, 37, 70, 32, _case_dtypes()[0], True),   # more keys than queries
-    (2, 1, 64, 29, 16, _case_dtypes()[0], True),   # more queries than keys: late rows see all
-    (1, 2, 50, 50, 16, _case_dtypes()[1], True),
-    (2, 2, 33, 48, 32, _case_dtypes()[1], False),
+    (2, 2, 45, 45, 16, 0, False, None, (16, 16), 1, (BNHD, COLUMNS_STRIDED, SPARE_HEAD_4D)),
+    (1, 2, 37, 70, 32, 0, True, 0.3, (16, 32), 1, (SPARE_HEAD_4D, BNHD, COLUMNS_STRIDED)),
+    (2, 1, 64, 29, 16, 0, True, None, (32, 16), 1, (COLUMNS_STRIDED, SPARE_HEAD_4D, BNHD)),
+    (1, 2, 33, 40, 16, 0, False, 0.2, (16, 16), LARGE_LOGITS, (BNHD, SPARE_HEAD_4D, BNHD)),
+    (1, 2, 50, 50, 16, 1, True, None, (16, 32), 1, (BNHD, COLUMNS_STRIDED, SPARE_HEAD_4D)),
+    (2, 1, 33, 48, 32, 1, False, 0.15, (16, 16), 1, (SPARE_HEAD_4D, BNHD, COLUMNS_STRIDED)),
 )
 
 
 def _forward_cases(device):
     gen = torch.Generator().manual_seed(6_5)
     cases = []
-    for batch, heads, n_q, n_k, d, dtype, causal in FORWARD_SPECS:
-        q, k, v = (torch.randn(batch, heads, n, d, generator=gen).to(device=device, dtype=dtype)
-                   for n in (n_q, n_k, n_k))
+    for batch, heads, n_q, n_k, d, i, causal, scale, (bm, bn), factor, layouts in FORWARD_SPECS:
+        dtype = _case_dtypes()[i]
+        q, k, v = (torch.randn(batch, heads, n, d, generator=gen) for n in (n_q, n_k, n_k))
+        q = (q * factor).to(device=device, dtype=dtype)
+        k, v = (x.to(device=device, dtype=dtype) for x in (k, v))
         label = (f"{'causal' if causal else 'non-causal'}, B={batch}, H={heads}, N_q={n_q}, "
-                 f"N_k={n_k}, d={d}, {str(dtype).replace('torch.', '')}, BLOCK_M=BLOCK_N={CHECK_BLOCK}")
-        cases.append(Case((q, k, v), {"causal": causal}, label=label))
+                 f"N_k={n_k}, d={d}, {str(dtype).replace('torch.', '')}, "
+                 f"scale={'default' if scale is None else scale}, BLOCK_M={bm}, BLOCK_N={bn}"
+                 + (f", scores ×{factor:g}" if factor != 1 else "")
+                 + f"; strides q {layouts[0].strides(q.shape)}, k {layouts[1].strides(k.shape)}, "
+                   f"v {layouts[2].strides(v.shape)}")
+        cases.append(ch05.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
+                                                 "block_n": bn, "layouts": layouts}, label=label))
     return cases
-
-
-def forward_runner(launcher, wrong_values: list | None = None):
-    """``run(q, k, v, causal) -> (o, lse)``: the learner's launcher on guarded tensors; raises
-    KernelProblem with one diagnosis (guard, shapes, or values against float64 attention).
-
-    On wrong values, ``wrong_values`` (when given) receives ``[message, (o, lse), guarded
-    inputs, causal]`` so that :func:`check_forward_kernel` can look for the likely cause after
-    the run, outside the learner's time limit (replaying the known mistakes compiles a kernel
-    each on a GPU).
-    """
-    def run(q, k, v, causal):
-        o, lse, views, made = _launch_guarded(launcher, q, k, v, causal, kernel_checks.INPUT_MARGIN_FILL)
-        for name, x in (("o", o), ("lse", lse)):
-            buffer = _buffer_of(x, made)
-            if buffer is not None and bool((buffer[x.shape[0]:] != kernel_checks.OUTPUT_SENTINEL).any()):
-                raise kernel_checks.KernelProblem(
-                    f"your kernel wrote past the end of {name} {tuple(x.shape)} — the last Q tile "
-                    f"sticks out past N_q: mask the stores of o and lse with offs_m < n_q")
-        for name, x in (("o", o), ("lse", lse)):
-            problem = _unwritten(name, x)
-            if problem:
-                raise problem
-        got = (o.clone(), lse.clone())
-        problem = _value_problem(got, reference(q, k, v, causal), causal, k.shape[2], q.dtype)
-        if problem is None:
-            return got
-        message = problem
-        if not all(torch.isfinite(x).all() for x in got):
-            again = _launch_guarded(launcher, q, k, v, causal, kernel_checks.INPUT_MARGIN_REFILL)[:2]
-            if all(torch.isfinite(x).all() for x in again):
-                message += ("\n  the NaN comes from memory outside the inputs (their margins hold "
-                            "NaN): a load without a mask, or a wrong offset or stride")
-            else:
-                message += ("\n  hint: NaN/inf although the inputs are finite — an exp() of a large "
-                            "number, or l_i = 0 (a row that saw no key: check the masks)")
-        if wrong_values is not None:
-            wrong_values[:] = [message, got, views, causal]
-        raise kernel_checks.KernelProblem(message)
-
-    return run
-
-
-def likely_forward_mistake(got, inputs, causal: bool, mistakes: dict | None = None) -> str | None:
-    """The known mistake whose replay on the same (guarded) inputs gives ``got``, NaN included."""
-    atol, rtol = TOLERANCES[str(inputs[0].dtype).replace("torch.", "")]
-    for cause, wrong in (FORWARD_MISTAKES if mistakes is None else mistakes).items():
-        try:
-            expected = wrong(*inputs, causal)
-        except Exception:  # noqa: BLE001 - a model that cannot run does not match
-            continue
-        if all(torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol, equal_nan=True)
-               for g, w in zip(got, expected)):
-            return cause
-    return None
 
 
 @learner_check
@@ -761,27 +796,17 @@ def check_forward_kernel(launcher):
     """Check exercise 6.5; return the learner's launcher or, not done yet, the library's.
 
     ``launcher(q, k, v, causal=False, scale=None, block_m=..., block_n=...)`` on (B, H, N, d)
-    tensors returns ``(o, lse)``; the check runs it with 16-row tiles.
+    tensors returns ``(o, lse)``; the check runs it with 16- and 32-row tiles.
     """
-    wrong_values: list = []
-    try:
-        return kernel_checks.check_kernel("Exercise 6.5", launcher, forward_runner(launcher, wrong_values),
-                                 reference, _forward_cases(_rt.device), fallback=library_forward)
-    except ExerciseFailed as failure:
-        if not wrong_values:
-            raise
-        message, got, inputs, causal = wrong_values
-        cause = likely_forward_mistake(got, inputs, causal)
-        if cause is None:
-            raise
-        problem = message.split("\n")[:2]  # the value lines, without the generic NaN hint
-        text = str(failure).replace(message, "\n".join([*problem, f"  likely cause: {cause}"]), 1)
-        raise ExerciseFailed(text) from None
+    return ch05.check_layout_kernel(
+        "Exercise 6.5", launcher, forward_runner(launcher), _forward_reference,
+        _forward_cases(_rt.device), fallback=library_forward, mistakes=FORWARD_MISTAKES,
+        names=("q", "k", "v"), locate=_forward_row_of)
 
 
 FORWARD_HINTS = [
     "Start from the launcher: o = torch.empty_like(q); lse = torch.empty((B, H, N_q), "
-    "dtype=torch.float32); one program per Q tile of each (batch, head), so grid = "
+    "dtype=torch.float32, device=q.device); one program per Q tile of each (batch, head), so grid = "
     "(triton.cdiv(N_q, block_m) * B * H,); pass *q.stride(), *k.stride(), *v.stride(), "
     "*o.stride() in the kernel's order, and HEAD_DIM=d, BLOCK_M, BLOCK_N, CAUSAL as keywords.",
     "In the kernel, pid = tl.program_id(0); with num_tiles = tl.cdiv(n_q, BLOCK_M): "
@@ -796,7 +821,9 @@ FORWARD_HINTS = [
     "In the loop: load K and V tiles masked with offs_n[:, None] < n_k; s = tl.dot(q, tl.trans(k)); "
     "-inf where offs_n >= n_k and, when CAUSAL, where offs_n > offs_m; then exercise 6.4's update "
     "(s · scale · LOG2_E, exp2, rescale l_i and acc by alpha, tl.dot(p.to(v.dtype), v)).",
-    "After the loop: o = acc / l_i[:, None], lse = (m_i + log2(l_i)) · LN_2 (or / LOG2_E); store o "
+    "After the loop: o = acc / l_i[:, None], lse = (m_i + log2(l_i)) / LOG2_E (LOG2_E is the "
+    "tl.constexpr the notebook imports at the top, from course_lib.kernels.tiles; multiplying by "
+    "LN_2 = ln 2 is the same, after from course_lib.kernels.tiles import LN_2); store o "
     "as O's dtype (o.to(O.dtype.element_ty)) and lse at LSE + pid_bh * n_q + offs_m, both masked "
     "with offs_m < n_q.",
 ]
