@@ -199,8 +199,10 @@ def check_ds_tile(fn):
 # Exercise 7.3: the body of the dK/dV loop
 # ----------------------------------------------------------------------------------------------
 
-def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None, *, mistake):
-    """:func:`course_lib.tiled_backward.dk_dv_step` with one classic mistake switched on."""
+def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None, *, mistake,
+                   with_ds=False):
+    """:func:`course_lib.tiled_backward.dk_dv_step` with one classic mistake switched on (also
+    the tile step of Exercise 7.4's models, which need ``ds`` too: ``with_ds``)."""
     s = (1.0 if mistake == "s_no_scale" else scale) * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
     if mask is not None and mistake != "no_mask":
         s = np.where(mask, s, -np.inf)
@@ -220,9 +222,9 @@ def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None
     dv_new = p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i
     dk_scale = 1.0 if mistake == "dk_no_scale" else scale
     dk_new = dk_scale * (ds @ q_i if mistake == "dk_ds_not_dst" else ds.T @ q_i)
-    if mistake == "overwrite":
-        return dk_new, dv_new
-    return dk_j + dk_new, dv_j + dv_new
+    if mistake != "overwrite":
+        dk_new, dv_new = dk_j + dk_new, dv_j + dv_new
+    return (dk_new, dv_new, ds) if with_ds else (dk_new, dv_new)
 
 
 def _dk_dv_mistake(name):
@@ -449,7 +451,8 @@ def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, name
 
 def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, mistake=""):
     """The one-pass tiled backward (outer loop over K/V tiles, inner over Q tiles, dQ added into
-    the full array) with one classic mistake switched on; ``mistake=""`` is the answer."""
+    the full array) with one classic mistake switched on; ``mistake=""`` is the answer. The
+    tile step is Exercise 7.3's model; the mistakes of the loops are added here."""
     n_q, n_k = q.shape[0], k.shape[0]
     d_all = np.sum(do * o, axis=-1)  # (N_q,)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
@@ -460,38 +463,16 @@ def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, m
         dk_j, dv_j = np.zeros_like(k_j), np.zeros_like(v_j)
         for q_start in range(0, n_q, block_m):
             q_end = min(q_start + block_m, n_q)
-            if mistake == "tile_index_skip":
-                if causal and k_start // block_n > q_start // block_m:
-                    continue  # compares tile numbers: right only when block_m == block_n
-            elif causal and q_end - 1 < k_start:
+            if causal and (k_start // block_n > q_start // block_m if mistake == "tile_index_skip"
+                           else q_end - 1 < k_start):  # tile numbers: right if block_m == block_n
                 continue  # every query of this tile comes before every key: fully masked
-            rows = slice(q_start, q_end)
-            q_i, do_i, lse_i = q[rows], do[rows], lse[rows]
-            s = (1.0 if mistake == "s_no_scale" else scale) * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
-            if causal and mistake != "no_mask":
-                if mistake == "local_tril":  # the tile's own corner, not the global indices
-                    visible = np.tril(np.ones((q_end - q_start, k_end - k_start), dtype=bool))
-                else:
-                    visible = np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None]
-                s = np.where(visible, s, -np.inf)
-            if mistake.startswith("tile_softmax"):
-                p = np.exp(s - s.max(axis=-1, keepdims=True))
-                p = p / p.sum(axis=-1, keepdims=True)
-                if mistake == "tile_softmax_zeroed":  # rows with every key hidden: NaN made 0
-                    p = np.nan_to_num(p)
-            elif mistake == "no_lse":
-                p = np.exp(s)
-            else:
-                p = np.exp(s - lse_i[:, None])
-            dv_new = p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i
-            dp = do_i @ v_j.T  # (BLOCK_M, BLOCK_N)
-            d_i = np.sum(p * dp, axis=-1) if mistake == "d_from_tile" else d_all[rows]
-            ds = p * (d_i[:, None] - dp) if mistake == "ds_sign" else p * (dp - d_i[:, None])
-            dk_new = (1.0 if mistake == "dk_no_scale" else scale) * (ds.T @ q_i)
-            if mistake == "dkdv_overwrite":
-                dk_j, dv_j = dk_new, dv_new
-            else:
-                dk_j, dv_j = dk_j + dk_new, dv_j + dv_new
+            rows, mask = slice(q_start, q_end), None
+            if causal:  # "local_tril": the tile's own corner, not the global indices
+                mask = (np.tril(np.ones((q_end - q_start, k_end - k_start), dtype=bool))
+                        if mistake == "local_tril"
+                        else np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None])
+            dk_j, dv_j, ds = _dk_dv_variant(q[rows], do[rows], lse[rows], d_all[rows], k_j, v_j,
+                                            dk_j, dv_j, scale, mask, mistake=mistake, with_ds=True)
             dq_new = (1.0 if mistake == "dq_no_scale" else scale) * (ds @ k_j)
             if mistake == "dq_overwrite":
                 dq[rows] = dq_new
@@ -554,7 +535,7 @@ BACKWARD_MISTAKES = {
     "(with the K/V loop outside, dQ's sum runs across the outer loop)":
         _backward_mistake("dq_overwrite"),
     "dk_j, dv_j are overwritten in the Q loop, not accumulated: dk_j = dk_j + …, dv_j = dv_j + …":
-        _backward_mistake("dkdv_overwrite"),
+        _backward_mistake("overwrite"),
     "the last, shorter K/V tile is dropped: range(0, n_k // block_n * block_n, block_n) stops "
     "before the ragged tail — loop over range(0, n_k, block_n) and slice to min(k_start + "
     "block_n, n_k)": _backward_mistake("drop_tail"),
@@ -802,8 +783,8 @@ KERNEL_SPECS = (
      ("bnhd", "bhnd2", "bhnd", "nbhd", "hbnd", "bhnd", "nbhd")),
     (1, 2, 23, 40, 16, False, 0.6, 16, 16, 3.0, False,
      ("nbhd", "hbnd", "bnhd", "bhnd", "bhnd2", "bhnd", "bhnd")),
-    (1, 2, 50, 29, 16, True, None, 16, 32, 1.0, True,
-     ("hbnd", "bhnd", "nbhd", "bnhd", "bhnd2", "hbnd", "bnhd")),
+    (2, 2, 50, 29, 16, True, None, 16, 32, 1.0, True,
+     ("bhnd", "hbnd", "nbhd", "bnhd", "bhnd2", "hbnd", "bnhd")),
 )
 
 
