@@ -158,7 +158,24 @@ def summarize_kernel_error(exc: BaseException) -> str:
 
 class MemoryViolation(KernelProblem):
     """A learner's kernel tried to load or store outside the tensors it was handed (checked in
-    Triton's interpreter before the access, so nothing was read or corrupted)."""
+    Triton's interpreter before the access, so nothing was read or corrupted).
+
+    Besides the message, the evidence as fields: ``op`` ("tl.load", ...), ``write``,
+    ``program`` (the program id), ``n_bad``/``n_lanes`` (bad and active lanes), ``tensor`` (the
+    name of the tensor the first bad lane is nearest to, or None), ``index`` (its index there,
+    or None) and ``kind``: "input written", "past the end", "strides of another tensor",
+    "past the end or strides of another tensor", or "outside"."""
+
+    def __init__(self, message: str, **evidence):
+        super().__init__(message)
+        self.op = evidence.get("op")
+        self.write = evidence.get("write")
+        self.program = evidence.get("program")
+        self.n_bad = evidence.get("n_bad")
+        self.n_lanes = evidence.get("n_lanes")
+        self.tensor = evidence.get("tensor")
+        self.index = evidence.get("index")
+        self.kind = evidence.get("kind")
 
 
 @dataclass
@@ -248,21 +265,21 @@ class MemoryGuard:
         if ok.all():
             return
         bad = lanes[~ok]
-        raise MemoryViolation(self.explain(op, bad, int(lanes.size), write, program))
-
-    def explain(self, op: str, bad: np.ndarray, n_lanes: int, write: bool,
-                program: tuple) -> str:
-        n_bad = int(bad.size)
-        pid = ", ".join(str(int(i)) for i in program)
+        program = tuple(int(i) for i in program)
+        pid = ", ".join(map(str, program))
         head = (f"your kernel's {op} in program id ({pid}) would {'write' if write else 'read'} "
-                f"{n_bad} of its {n_lanes} active lane(s) outside the tensors it may "
+                f"{bad.size} of its {lanes.size} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
-        where, why = self._locate(bad, write)
-        return f"{head}\n  first bad lane: {where}\n  {why}"
+        where, why, evidence = self._locate(bad, lanes, write)
+        raise MemoryViolation(f"{head}\n  first bad lane: {where}\n  {why}", op=op, write=write,
+                              program=program, n_bad=int(bad.size), n_lanes=int(lanes.size),
+                              **evidence)
 
-    def _locate(self, bad: np.ndarray, write: bool) -> tuple[str, str]:
-        """Where the first bad lane points and what the offsets of all bad lanes suggest: each
-        explanation is kept only when every bad lane of the access fits it."""
+    def _locate(self, bad: np.ndarray, lanes: np.ndarray, write: bool):
+        """Where the first bad lane points, what the offsets suggest, and that evidence as
+        fields. An explanation is kept only when every lane it is about fits it: "past the end"
+        must fit every bad lane; "another tensor's strides" must fit every active lane (the
+        good ones too, or it is a coincidence of numbers)."""
         address = int(bad[0])
         a = bad[:1]
         # 1. inside a tensor the kernel may only read: a store into an input
@@ -271,40 +288,42 @@ class MemoryGuard:
                 idx = tuple(int(i[0]) for i in r.index_of(a)[0])
                 return (f"element {idx} of `{r.name}`",
                         f"`{r.name}` is an input (read-only): tl.store only to the output "
-                        f"pointer(s); two pointer arguments swapped?")
+                        f"pointer(s); two pointer arguments swapped?",
+                        dict(tensor=r.name, index=idx, kind="input written"))
         nearest = sorted((r for r in self.regions if r.base <= address), key=lambda r: -r.base)
         # 2. just past the end of the nearest tensor along some dims (within one more extent)
         past = None
         for r in nearest[:1]:
             index, _ = r.index_of(bad)
             aligned = (bad.astype(np.int64) - r.base) % r.itemsize == 0
-            fits = aligned.all() and all((i < 2 * n).all() for i, n in zip(index, r.shape))
-            if fits:
-                idx = [int(i[0]) for i in index]
+            if aligned.all() and all((i < 2 * n).all() for i, n in zip(index, r.shape)):
+                idx = tuple(int(i[0]) for i in index)
                 over = [(d, i, n) for d, (i, n) in enumerate(zip(idx, r.shape)) if i >= n]
                 text = "; ".join(f"dim {d} index {i} ≥ its size {n}" for d, i, n in over)
-                past = (f"`{r.name}` {tuple(r.shape)} at index {tuple(idx)} ({text})",
+                past = (f"`{r.name}` {tuple(r.shape)} at index {idx} ({text})",
                         f"past the end of `{r.name}`: lanes past the last row/column need a "
                         f"mask on the {'tl.store' if write else 'tl.load'} (mask=offs < n"
-                        f"{'' if write else ', other=0.0'}), or an offset is too large")
-        # 3. one tensor's base with another tensor's strides
+                        f"{'' if write else ', other=0.0'}), or an offset is too large",
+                        dict(tensor=r.name, index=idx, kind="past the end"))
+        # 3. one tensor's base with another tensor's strides: every active lane must fit
         for r in nearest[:1]:
             for other in self.regions:
                 if other is r or other.strides == r.strides or len(other.strides) != len(r.shape):
                     continue
-                idx, ok = r.index_of(bad, strides=other.strides)
-                if not ok.all():
+                if not r.index_of(lanes, strides=other.strides)[1].all():
                     continue
-                where = tuple(int(i[0]) for i in idx)
-                strides = (f"these offsets are elements of `{r.name}` indexed with "
+                idx = tuple(int(i[0]) for i in r.index_of(a, strides=other.strides)[0])
+                strides = (f"every lane of this access is an element of `{r.name}` indexed with "
                            f"`{other.name}`'s strides {other.strides}: use `{r.name}`'s own "
                            f"strides {r.strides} for `{r.name}`")
                 if past is None:
                     return (f"element {(address - r.base) // r.itemsize:+d} from the start of "
-                            f"`{r.name}` = index {where} with `{other.name}`'s strides", strides)
+                            f"`{r.name}` = index {idx} with `{other.name}`'s strides", strides,
+                            dict(tensor=r.name, index=idx, kind="strides of another tensor"))
                 # both fit the evidence: say both, guess neither
                 return past[0], (f"either {past[1]};\n  or {strides} (both fit these "
-                                 f"offsets)")
+                                 f"offsets)"), dict(past[2], kind="past the end or strides of "
+                                                                  "another tensor")
         if past:
             return past
         # 4. elsewhere: name the nearest tensor that starts before it
@@ -313,7 +332,8 @@ class MemoryGuard:
         return (f"{elements:+.0f} elements from the start of `{near.name}` {tuple(near.shape)}, "
                 f"outside every tensor the kernel was given",
                 "an offset that is too large or negative: a missing batch/head offset, a row "
-                "index multiplied by the wrong stride, or a pid used for the wrong axis")
+                "index multiplied by the wrong stride, or a pid used for the wrong axis",
+                dict(tensor=near.name, index=None, kind="outside"))
 
 
 _ACTIVE_GUARDS: list[MemoryGuard] = []
@@ -523,8 +543,11 @@ class GuardedRun:
                                     f"margins hold NaN, and NaN came out) — "
                                     f"{cause or self.load_hint}")
             cause = self.explain_nonfinite(inputs, results) if self.explain_nonfinite else None
-            raise KernelProblem("your kernel returns NaN or inf although every input is finite — "
-                                + (f"likely cause: {cause}" if cause else self.nonfinite_hint))
+            if cause:
+                raise KernelProblem("your kernel returns NaN or inf although every input is "
+                                    f"finite — likely cause: {cause}")
+            # no cause singled out: hand the outputs on, so that the check compares them and
+            # traces the first invalid operation to the kernel's line (checks.trace_nonfinite)
         return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -578,8 +601,9 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
             raise
         except Exception as exc:  # noqa: BLE001 - any learner error becomes a diagnosis
             chain = exception_chain(exc)
-            for e in chain:  # a time limit hit inside the interpreter: let checks report it
-                if isinstance(e, checks.TimeLimitExceeded):
+            for e in chain:  # a time limit hit inside the interpreter: let checks report it;
+                # NumPy's first invalid operation (checks.trace_nonfinite's re-run) goes on to it
+                if isinstance(e, (checks.TimeLimitExceeded, FloatingPointError)):
                     raise e from None
             violation = next((e for e in chain if isinstance(e, KernelProblem)), None)
             if violation is not None:  # raised inside the kernel (the memory guard)
@@ -608,7 +632,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
     return answer if result is attempt else result
 
 
-_INDEX = re.compile(r"index \(([\d, ]+)\)")
+_INDEX = re.compile(r"first bad element at index \(([\d, ]+)\)")
 
 
 def _with_location(message: str, locate: Callable | None) -> str:
