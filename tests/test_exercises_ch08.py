@@ -479,7 +479,7 @@ SPLIT_KERNEL_CORPUS = {k.value: found for k, found in {
     ALPHA_REVERSED: ("seen", "value(s) are NaN/inf where the answer is finite"),
     D_STRIDE_ONE: ("seen", "✗ Exercise 8.4"),
     O_NOT_NORMALISED: ("seen", "wrong answer on case 1 of 3"),
-    EMPTY_NAN: ("seen", "split 3 is an empty chunk"),
+    EMPTY_NAN: ("seen", "`o = acc / l_i[:, None]`"),  # NumPy's first 0/0, on its line
     Q_FROM_KV_HEAD: ("seen", "wrong answer on case 1 of 3"),
     SPLIT_STRIDE_OF_HEAD: ("seen", "✗ Exercise 8.4"),
 }.items()}
