@@ -174,3 +174,30 @@ def test_backward_is_deterministic_gpu():
         flash_attention(q, k, v, causal=True).backward(do)
         grads.append([x.grad.clone() for x in (q, k, v)])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_mistake_hooks_are_off_by_default_and_each_changes_the_gradients(device):
+    """Chapter 07's mistake models are the library's kernels with ``mistake=`` set: without it the
+    kernels are exact (out= writes the same values), and every hook changes what it claims to."""
+    from course_lib.kernels import tuning
+    from course_lib.kernels.backward import MISTAKES, attention_backward
+    from course_lib.kernels.forward import attention_forward
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(1, 2, n, 16, generator=gen).to(device) for n in (40, 40, 40, 40))
+    causal, scale, blocks = True, 0.3, tuning.Blocks(32, 16)
+    o, lse = attention_forward(q, k, v, causal, scale)
+    right = attention_backward(do, q, k, v, o, lse, causal, scale, blocks, blocks)
+    for got, want in zip(right, reference_grads(q, k, v, do, causal, scale)):
+        assert rel_err(got, want) < GRAD_REL_TOL[torch.float32]
+    out = tuple(torch.empty_like(x) for x in (q, k, v))
+    assert attention_backward(do, q, k, v, o, lse, causal, scale, blocks, blocks, out=out) is out
+    assert all(torch.equal(a, b) for a, b in zip(out, right))
+    square = tuning.Blocks(16, 16)  # P-for-Pᵀ mistakes only have a shape on square tiles
+    for name in MISTAKES:
+        tile = square if name in ("dk_ds_not_dst", "dv_p_not_pt") else blocks
+        wrong = attention_backward(do, q, k, v, o, lse, causal, scale, tile, tile, mistake=name)
+        changed = [not torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(wrong, right)]
+        assert any(changed), name
+        if name in ("dk_no_scale", "dk_ds_not_dst", "dv_p_not_pt"):  # one gradient only
+            assert sum(changed) == 1, (name, changed)

@@ -782,7 +782,7 @@ KERNEL_SPECS = (
     (2, 1, 45, 45, 32, True, 0.3, 32, 16, 1.0, False,
      ("bnhd", "bhnd2", "bhnd", "nbhd", "hbnd", "bhnd", "nbhd")),
     (1, 2, 23, 40, 16, False, 0.6, 16, 16, 3.0, False,
-     ("nbhd", "hbnd", "bnhd", "bhnd", "bhnd2", "bhnd", "bhnd")),
+     ("bhnd2", "hbnd", "bnhd", "bhnd", "nbhd", "bhnd", "bhnd")),
     (2, 2, 50, 29, 16, True, None, 16, 32, 1.0, True,
      ("bhnd", "hbnd", "nbhd", "bnhd", "bhnd2", "hbnd", "bnhd")),
 )
