@@ -2,17 +2,21 @@
 results of split-KV decoding; 8.3, the GQA head mapping; 8.4, the split kernel of flash-decoding
 in Triton; 8.5, its combine kernel (numbered in the notebook's order).
 
-Each check runs the learner's function on prepared cases and compares with
-:mod:`course_lib.kvcache`, :mod:`course_lib.decoding` and :mod:`course_lib.gqa`. When the answer
-is wrong, the known mistakes below are replayed on the failing case; the one that reproduces the
-learner's output is named. The mistake models are public (``COMBINE_MISTAKES``,
-``CACHE_MISTAKES``, ``HEAD_MISTAKES``, ``SPLIT_KERNEL_MISTAKES``, ``COMBINE_KERNEL_MISTAKES``)
-so that tests and instructors can see what is recognised.
+Each check runs the learner's function on every prepared case and compares with
+:mod:`course_lib.kvcache`, :mod:`course_lib.decoding` and :mod:`course_lib.gqa`. The cases vary
+what a mistake can depend on: leading dims, chunk maxima hundreds apart (and query rows 1200
+apart), empty chunks, GQA groups of 1, 2 and 4 and MQA, an explicit scale, tensors stored in
+other layouts (interleaved heads, a cache stored (B, N, H_kv, d) or with its head dim not last).
+When the answer is wrong, a "likely cause" is named only if exactly one of the known mistakes
+below reproduces the learner's output on every case; otherwise the diagnosis says what was seen.
+The mistake models are public (``COMBINE_MISTAKES``, ``CACHE_MISTAKES``, ``HEAD_MISTAKES``,
+``SPLIT_KERNEL_MISTAKES``, ``COMBINE_KERNEL_MISTAKES``) so that tests and instructors can see
+what is recognised, and each computes exactly what that mistaken code computes, NaN included.
 
-Exercise 8.4 is a Triton kernel: its check runs it on guarded tensors with chapter 05's harness
-(:func:`course_lib.kernel_checks.check_kernel`) and compares the partial states it writes with
-a float64 model of the same tiles (:func:`split_states`); the mistakes are that model with one
-thing done wrong, so the diagnosis names the first bad (batch, head, split, row) and the cause.
+Exercise 8.4 is a Triton kernel: its check runs it on guarded tensors
+(:func:`course_lib.kernel_checks.check_kernel`: in the interpreter every load and store is
+checked before it happens) and compares the partial states it writes with a float64 model of the
+same tiles (:func:`split_states`); the mistakes are that model with one thing done wrong.
 Exercise 8.5, the combine kernel, is checked the same way against a float64 merge of the
 workspace (:func:`combine_reference`), its mistakes modelled by :func:`merged_output`.
 """
@@ -25,9 +29,8 @@ import numpy as np
 
 import torch
 
-from course_lib.checks import learner_check
 from course_lib import checks, constants, decoding, gqa, kvcache, runtime
-from course_lib.checks import Case, check_function
+from course_lib.checks import Case, check_function, learner_check
 from course_lib.reference import default_scale
 
 # ----------------------------------------------------------------------------------------------
