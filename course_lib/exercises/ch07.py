@@ -22,16 +22,17 @@ The large exercises (each with hints and a skeleton for :class:`course_lib.widge
   added into a full array), checked against :func:`tiled_backward.flash_attention_numpy_backward`.
 * Exercise 7.5 — ``dkdv_kernel`` and ``dq_kernel``: the Triton backward, two kernels with the
   library's argument names; ``DELTA`` (the paper's D) is the library's ``preprocess_kernel``, run
-  by :func:`launch_backward`. Checked on guarded buffers (chapter 05's harness) against float64
-  autograd. The answer keys (also the fallback) are this module's :func:`dkdv_kernel` and
-  :func:`dq_kernel`, whose ``MISTAKE`` switch replays the classic mistakes.
+  by :func:`launch_backward`. Checked against float64 autograd with each of q, k, v, o, dO in its
+  own memory layout, every access checked by the memory guard (interpreter), on guarded buffers
+  (GPU). The mistake models are the library's kernels (:mod:`course_lib.kernels.backward`) with
+  their ``MISTAKE`` hook switched on, and they are the fallback too.
 * Exercise 7.6 — a ``torch.autograd.Function`` around the library's forward kernel and the
   learner's backward kernels: o and gradients against float64 autograd, then a few training
   steps of :mod:`course_lib.tinylm` against SDPA.
 
-A wrong gradient gets one diagnosis (:func:`_gradient_diagnosis`): the case, which of dq/dk/dv
-is wrong, its first bad row and the tile that row belongs to, the max error, and the known
-mistake that reproduces the answer on the same input.
+A wrong gradient gets one diagnosis (:func:`_check_gradients`): the case, which of dq/dk/dv is
+wrong, its first bad row and the tile that row belongs to, the max error, and a likely cause only
+when exactly one mistake model reproduces the answer on every case.
 """
 
 from __future__ import annotations
@@ -810,9 +811,6 @@ def kernel_cases(seed: int = 7_5) -> list[Case]:
     return cases
 
 
-_INPUT_NAMES = ("q", "k", "v", "o", "do")
-
-
 def kernel_runner(dkdv, dq_kern):
     """``run(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts) -> (dq, dk, dv)``:
     the learner's kernels on copies of the inputs placed in the case's layouts, inside buffers
@@ -824,47 +822,46 @@ def kernel_runner(dkdv, dq_kern):
         q, k, v, o, lse, do = args
         placed = [_place(x, lay, fill) for x, lay in zip((q, k, v, o, do), layouts)]
         pristine = [buffer.clone() for _, buffer in placed]
-        dq, dq_buf = _place(torch.full_like(q, OUTPUT_SENTINEL), layouts[5], OUTPUT_SENTINEL)
-        dk, dk_buf = _place(torch.full_like(k, OUTPUT_SENTINEL), layouts[6], OUTPUT_SENTINEL)
-        dv, dv_buf = _place(torch.full_like(v, OUTPUT_SENTINEL), layouts[6], OUTPUT_SENTINEL)
-        (qp, kp, vp, op, dop) = (view for view, _ in placed)
+        outs = [_place(torch.full_like(x, OUTPUT_SENTINEL), lay, OUTPUT_SENTINEL)
+                for x, lay in ((q, layouts[5]), (k, layouts[6]), (v, layouts[6]))]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings
-            launch_backward(dkdv, dq_kern, qp, kp, vp, op, lse.clone(), dop, causal, scale,
-                            block_m, block_n, dq=dq, dk=dk, dv=dv)
+            launch_backward(dkdv, dq_kern, *(view for view, _ in placed[:4]), lse.clone(),
+                            placed[4][0], causal, scale, block_m, block_n,
+                            *(view for view, _ in outs))
         if q.device.type == "cuda":
             torch.cuda.synchronize()
-        for name, (_, buffer), before in zip(_INPUT_NAMES, placed, pristine):
+        for name, (_, buffer), before in zip(("q", "k", "v", "o", "do"), placed, pristine):
             if not checks.same_value(before, buffer):
                 raise kernel_checks.KernelProblem(
                     f"your kernel wrote into its input `{name}` — inputs are read-only: tl.store "
                     f"only to DK, DV (dkdv_kernel) and DQ (dq_kernel)")
-        outputs = []
-        for name, view, buffer in (("dq", dq, dq_buf), ("dk", dk, dk_buf), ("dv", dv, dv_buf)):
-            written = (buffer != OUTPUT_SENTINEL).sum() - (view != OUTPUT_SENTINEL).sum()
-            if int(written):
+        for name, (view, buffer), owner in zip(("dq", "dk", "dv"), outs, ("dQ", "dK/dV", "dK/dV")):
+            written = int((buffer != OUTPUT_SENTINEL).sum() - (view != OUTPUT_SENTINEL).sum())
+            if written:
                 raise kernel_checks.KernelProblem(
-                    f"your kernel wrote {int(written)} value(s) outside {name} "
-                    f"{tuple(view.shape)} — the last, ragged tile sticks out past N: mask every "
-                    f"tl.store with rows < n_q (dq) or cols < n_k (dk, dv)")
+                    f"your kernel wrote {written} value(s) outside {name} {tuple(view.shape)} — "
+                    f"the last, ragged tile sticks out past N: mask every tl.store with "
+                    f"rows < n_q (dq) or cols < n_k (dk, dv)")
             never = torch.nonzero(view == OUTPUT_SENTINEL)
             if len(never):
-                first = tuple(int(i) for i in never[0])
+                b, h, row, _ = (int(i) for i in never[0])
                 raise kernel_checks.KernelProblem(
-                    f"{len(never)} element(s) of {name} {tuple(view.shape)} were never written "
-                    f"(first at index {first}: batch {first[0]}, head {first[1]}, row "
-                    f"{first[2]}) — {'dK/dV programs cover cdiv(n_k, BLOCK_N) key tiles' if name != 'dq' else 'dQ programs cover cdiv(n_q, BLOCK_M) query tiles'} for every (batch, head) = program_id(1)")
-            outputs.append(view.clone())
-        return tuple(outputs)
+                    f"{len(never)} element(s) of {name} {tuple(view.shape)} were never written, "
+                    f"the first in row {row} of batch {b}, head {h} — the {owner} programs must "
+                    f"cover every tile of rows of every (batch, head) = program_id(1)")
+        return tuple(view.clone() for view, _ in outs)
 
     def run(q, k, v, o, lse, do, causal, scale, block_m, block_n, layouts):
         args = (q, k, v, o, lse, do)
         grads = launch(args, layouts, block_m, block_n, causal, scale, kernel_checks.INPUT_MARGIN_FILL)
-        finite_in = all(bool(torch.isfinite(x).all()) for x in args)
-        if finite_in and not all(bool(torch.isfinite(g).all()) for g in grads):
+        # On a GPU nothing stops a stray read: NaN that turns finite when the margins hold 0
+        # came from them. (In the interpreter the memory guard stopped such a read already.)
+        if not _rt.interpreted and all(bool(torch.isfinite(x).all()) for x in args) and not all(
+                bool(torch.isfinite(g).all()) for g in grads):
             again = launch(args, layouts, block_m, block_n, causal, scale,
                            kernel_checks.INPUT_MARGIN_REFILL)
-            if all(bool(torch.isfinite(g).all()) for g in again):  # the NaN came from the margins
+            if all(bool(torch.isfinite(g).all()) for g in again):
                 raise kernel_checks.KernelProblem(
                     "the output depends on memory outside the inputs (their margins hold NaN, and "
                     "NaN came out): a tl.load reads past the ragged end or with a wrong stride — "
