@@ -544,8 +544,20 @@ def _default_tolerance(want: Any) -> tuple[float, float]:
 
 
 def _outputs_match(a: Any, b: Any, atol: float, rtol: float) -> bool:
+    """Whether a mistake model's output ``b`` reproduces the learner's ``a``: the same structure,
+    shapes and values (NaN where NaN), whatever the dtypes or array types — a learner whose
+    maths is wrong in one way and whose dtype is off too still made that mistake."""
     try:
-        return compare(a, b, atol, rtol, equal_nan=True) is None
+        if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+            return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list))
+                    and len(a) == len(b)
+                    and all(_outputs_match(x, y, atol, rtol) for x, y in zip(a, b)))
+        if a is None or b is None:
+            return a is b
+        g, w = to_numpy64(a), to_numpy64(b)
+        if g.shape != w.shape:
+            return False
+        return first_bad_index(g, w, atol, rtol, equal_nan=True) is None
     except Exception:  # a mistake model that cannot even be compared does not match
         return False
 

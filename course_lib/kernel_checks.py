@@ -152,6 +152,12 @@ def summarize_kernel_error(exc: BaseException) -> str:
     return detail
 
 
+def _runtime():
+    from course_lib import runtime  # not at import time: kernel_checks is imported by runtime's users
+
+    return runtime.current()
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory-safe runs in the interpreter: every access checked before it happens
 
@@ -632,7 +638,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
     return answer if result is attempt else result
 
 
-_INDEX = re.compile(r"first bad element at index \(([\d, ]+)\)")
+_INDEX = re.compile(r"first (?:bad element )?at index \(([\d, ]+)\)")
 
 
 def _with_location(message: str, locate: Callable | None) -> str:
@@ -647,3 +653,296 @@ def _with_location(message: str, locate: Callable | None) -> str:
             lines.insert(i + 1, f"  {locate(index)}")
             break
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Guarded runs on varied layouts (chapters 05 and 06)
+#
+# A kernel exercise's contract says "any strides": each tensor of a case is placed in its own
+# guarded buffer with its own layout (row-major with gaps between rows, column-major, heads
+# interleaved with rows, ...), so that a kernel that uses one tensor's stride for another, or
+# assumes a dense layout, is wrong on some case. The memory guard of :mod:`kernel_checks` checks
+# every access in the interpreter; what a run observes (an access outside the tensors, elements
+# never written, NaN and the operation that made it first) becomes the diagnosis, and after a
+# wrong answer :func:`layout_experiments` reruns the case with one tensor's layout at a time to
+# find whose strides the kernel gets wrong.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor lies in its guarded buffer.
+
+    ``order`` lists the tensor's dims from the outermost in memory to the innermost (``(1, 0)``
+    is a column-major matrix); ``pad`` is the extra size of each buffer dim, in that order (a pad
+    on the innermost dim leaves gaps between rows, on the outermost one room past the end).
+    """
+
+    order: tuple
+    pad: tuple
+
+    @classmethod
+    def dense(cls, ndim: int) -> "Layout":
+        return cls(tuple(range(ndim)), (0,) * ndim)
+
+    def strides(self, shape) -> tuple:
+        """The element strides a tensor of ``shape`` gets in this layout."""
+        return tuple(place(torch.empty(shape), self, 0.0)[0].stride())
+
+
+def place(x: torch.Tensor, layout: "Layout | None", fill: float):
+    """``(view, buffer)``: a copy of ``x`` laid out as ``layout`` in a buffer filled with ``fill``
+    (default layout: dense row-major)."""
+    layout = layout or Layout.dense(x.ndim)
+    view, buffer = embed(x.permute(layout.order), layout.pad, fill)
+    inverse = sorted(range(x.ndim), key=lambda d: layout.order[d])
+    return view.permute(inverse), buffer
+
+
+class LayoutCase(Case):
+    """A :class:`Case` whose ``layouts`` kwarg the diagnosis leaves out (its label says them)."""
+
+    def describe(self) -> str:
+        hidden = Case(self.args, {k: v for k, v in (self.kwargs or {}).items() if k != "layouts"},
+                      self.label)
+        return hidden.describe()
+
+
+@dataclass
+class Out:
+    """An output the check allocates: its name, ``shape_dtype(*inputs, **params)`` and
+    ``locate(index) -> text`` (which program owns an element), used when elements stay unwritten."""
+
+    name: str
+    shape_dtype: Callable
+    locate: Callable | None = None
+
+
+_GUARD_LINE = re.compile(r"would (read|write) (\d+) of its (\d+) active lane")
+_GUARD_LANE = re.compile(r"first bad lane: `([^`]+)` \(([\d, ]*)\) at index \(([\d, ]*)\)")
+
+
+def guard_evidence(message: str) -> dict | None:
+    """What a :class:`MemoryViolation` message says, as fields: ``op`` (read or
+    write), ``bad`` and ``lanes`` (counts), ``tensor``, ``shape``, ``index``; None when the
+    message has none of them (e.g. a store into an input)."""
+    line, lane = _GUARD_LINE.search(message), _GUARD_LANE.search(message)
+    if not (line and lane):
+        return None
+    ints = lambda text: tuple(int(v) for v in text.split(",") if v.strip())  # noqa: E731
+    return {"op": line.group(1), "bad": int(line.group(2)), "lanes": int(line.group(3)),
+            "tensor": lane.group(1), "shape": ints(lane.group(2)), "index": ints(lane.group(3))}
+
+
+def _first_fp_error(exc: BaseException) -> str | None:
+    """'overflow encountered in exp at line 12: `e = tl.exp(x)`' from the FloatingPointError in
+    ``exc``'s chain (NumPy raising inside Triton's interpreter), or None."""
+    for e in exception_chain(exc):
+        if isinstance(e, FloatingPointError):
+            frame = checks.learner_frame(e)
+            where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+            return f"{e}{where}"
+    return None
+
+
+@dataclass
+class LayoutRun:
+    """Run a kernel on guarded copies of a case's inputs, each in the layout the case gives it.
+
+    ``launch(*input_views, *output_views, **params)`` launches the learner's kernel. Called as
+    ``run(*inputs, layouts=(...), **params)``: ``layouts`` has one :class:`Layout` (or None) per
+    input and then per output. Returns the outputs as they are, NaN included: check_function
+    compares them and the mistake models explain them. Raises :class:`KernelProblem` for what
+    only the run can see: an access outside the tensors (the guard, with ``guard_hint``'s line),
+    a store into an input, elements never written, a NaN that came from outside the inputs (GPU).
+    """
+
+    launch: Callable
+    names: Sequence[str]
+    outputs: Sequence[Out]
+    guard_hint: Callable | None = None  # guard_hint(evidence dict, params) -> extra line or None
+    nonfinite: dict = field(default_factory=dict)  # call number -> the first FP error seen
+    calls: int = 0
+
+    def launch_guarded(self, inputs, layouts, fill, params, trace=False):
+        layouts = tuple(layouts or ()) + (None,) * (len(inputs) + len(self.outputs))
+        placed = [place(x, lay, fill) for x, lay in zip(inputs, layouts)]
+        pristine = [buffer.clone() for _, buffer in placed]
+        outs = []
+        for spec, lay in zip(self.outputs, layouts[len(inputs):]):
+            shape, dtype = spec.shape_dtype(*inputs, **params)
+            view, buffer = place(torch.empty(shape, dtype=dtype, device=inputs[0].device), lay,
+                                 OUTPUT_SENTINEL)
+            view.fill_(OUTPUT_SENTINEL)
+            outs.append((view, buffer))
+        errstate = (np.errstate(over="raise", divide="raise", invalid="raise", under="ignore")
+                    if trace else contextlib.nullcontext())
+        with warnings.catch_warnings(), errstate, memory_guard() as guard:
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings
+            for name, (view, _) in zip(self.names, placed):
+                guard.allow(name, view)
+            for spec, (view, _) in zip(self.outputs, outs):
+                guard.allow(spec.name, view, write=True)
+            try:
+                self.launch(*(v for v, _ in placed), *(v for v, _ in outs), **params)
+            except Exception as exc:  # noqa: BLE001 - the guard's diagnosis, with this chapter's hint
+                violation = next((e for e in exception_chain(exc)
+                                  if isinstance(e, MemoryViolation)), None)
+                if violation is None:
+                    raise
+                hint = self.guard_hint and self.guard_hint(guard_evidence(str(violation)), params)
+                raise MemoryViolation(
+                    str(violation) + (f"\n  {hint}" if hint else "")) from None
+        if inputs[0].device.type == "cuda":
+            torch.cuda.synchronize()
+        for name, (_, buffer), before in zip(self.names, placed, pristine):
+            if not checks.same_value(before, buffer):
+                raise KernelProblem(f"your kernel wrote into its input `{name}` — inputs are "
+                                    f"read-only: tl.store only to the output pointer(s) (two "
+                                    f"pointer arguments swapped?)")
+        return outs
+
+    def __call__(self, *inputs, layouts=None, **params):
+        self.calls += 1
+        outs = self.launch_guarded(inputs, layouts, INPUT_MARGIN_FILL, params)
+        results = []
+        for spec, (view, buffer) in zip(self.outputs, outs):
+            sentinel = torch.tensor(OUTPUT_SENTINEL, dtype=buffer.dtype, device=buffer.device)
+            outside = int((buffer != sentinel).sum()) - int((view != sentinel).sum())
+            if outside:  # (on a GPU; in the interpreter the guard stops such a store first)
+                raise KernelProblem(f"your kernel wrote {outside} value(s) outside {spec.name} "
+                                    f"{tuple(view.shape)}: a tl.store without a mask, or with a "
+                                    f"wrong offset or stride")
+            unwritten = view == sentinel
+            if unwritten.any():
+                first = tuple(int(i) for i in torch.nonzero(unwritten)[0])
+                where = f"\n  {spec.locate(first, **params)}" if spec.locate else ""
+                raise KernelProblem(f"{int(unwritten.sum())} of the {view.numel()} elements of "
+                                    f"{spec.name} {tuple(view.shape)} were never written; the "
+                                    f"first at index {first}{where}")
+            results.append(view.clone())
+        if any(not torch.isfinite(r).all() for r in results) and all(
+                torch.isfinite(x).all() for x in inputs):
+            again = [v for v, _ in self.launch_guarded(inputs, layouts, INPUT_MARGIN_REFILL, params)]
+            if all(torch.isfinite(r).all() for r in again):  # (on a GPU: the guard is off there)
+                raise KernelProblem("the output depends on memory outside the inputs (their "
+                                    "margins hold NaN, and NaN came out): a tl.load without a "
+                                    "mask, or with a wrong offset or stride")
+            if _runtime().interpreted:
+                try:
+                    self.launch_guarded(inputs, layouts, INPUT_MARGIN_REFILL, params, trace=True)
+                except Exception as exc:  # noqa: BLE001 - evidence only
+                    error = _first_fp_error(exc)
+                    if error:
+                        self.nonfinite[self.calls] = error
+        return results[0] if len(results) == 1 else tuple(results)
+
+
+def with_evidence(message: str, run: LayoutRun) -> str:
+    """``message`` with the first floating-point error the run saw on the case it shows."""
+    found = re.search(r"wrong answer on case (\d+)", message)
+    error = found and run.nonfinite.get(int(found.group(1)))
+    if not error:
+        return message
+    lines = message.splitlines()
+    at = next((i for i, line in enumerate(lines) if "NaN/inf" in line), 2)
+    lines.insert(at + 1, f"  the first invalid operation NumPy saw in your kernel on that case: "
+                         f"{error}")
+    return "\n".join(lines)
+
+
+def layout_experiments(correct: Callable, case: Case, names: Sequence[str]) -> str | None:
+    """Which tensors' layouts a wrong answer depends on, found by rerunning ``case``.
+
+    ``correct(case) -> bool`` runs the learner's kernel (False when it fails in any way). The
+    case is rerun with every tensor dense and row-major, then with one tensor at a time in the
+    case's own layout. Returns a line naming the tensors whose own layout alone makes the
+    answer wrong, or None when the answer is wrong on dense tensors too (not a layout problem).
+    """
+    kwargs = dict(case.kwargs or {})
+    layouts = tuple(kwargs.get("layouts") or ())
+    if not any(layouts):
+        return None
+    dense = tuple(None for _ in layouts)
+    if not correct(LayoutCase(case.args, {**kwargs, "layouts": dense})):
+        return None
+    culprits = []
+    for i, lay in enumerate(layouts):
+        if lay is None:
+            continue
+        alone = tuple(lay if j == i else None for j in range(len(layouts)))
+        if not correct(LayoutCase(case.args, {**kwargs, "layouts": alone})):
+            shape = case.args[i].shape if i < len(case.args) else None
+            strides = lay.strides(shape) if shape is not None else None
+            culprits.append(f"`{names[i]}`" + (f" (strides {strides})" if strides else ""))
+    if not culprits:
+        return ("your kernel is right when every tensor is dense and row-major, and when any one "
+                "of them has this case's layout, but not with all of them: a stride of one "
+                "tensor is used for another")
+    return (f"your kernel is right when every tensor is dense and row-major, and wrong when only "
+            f"{' or '.join(culprits)} has this case's layout: look at how the kernel steps "
+            f"through {'that tensor' if len(culprits) == 1 else 'those tensors'} — each offset "
+            f"times that tensor's own stride for that dim")
+
+
+def _quietly(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its prints swallowed and a time limit."""
+    import io
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        return checks.call_with_time_limit(fn, args, kwargs, KERNEL_TIME_LIMIT_S)
+
+
+def _insert_before_tail(lines: list[str], line: str) -> list[str]:
+    """``lines`` with ``line`` before the "(also wrong on ...)" and printed-output lines."""
+    at = next((i for i, text in enumerate(lines) if i and (text.startswith("  (also wrong")
+                                                            or text.startswith("  your kernel printed"))),
+              len(lines))
+    return lines[:at] + [line] + lines[at:]
+
+
+def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callable,
+                        cases: Sequence[Case], *, fallback, mistakes: dict, names: Sequence[str],
+                        tolerance=None, locate: Callable | None = None):
+    """:func:`check_kernel` on cases whose kwargs give layouts and launch
+    parameters; adds the evidence of the run (the first invalid floating-point operation) and
+    of :func:`layout_experiments` to a failure's diagnosis. ``reference`` and the mistake
+    models take the case's kwargs (``layouts=`` included; they may ignore it)."""
+    try:
+        return check_kernel(exercise, answer, run, reference, cases, fallback=fallback,
+                            mistakes=mistakes, tolerance=tolerance)
+    except ExerciseFailed as failed:
+        message = with_evidence(str(failed), run)
+        lines = message.splitlines()
+        if locate is not None:  # which program owns the first bad element of the output
+            for i, line in enumerate(lines):
+                found = re.search(r"first bad element at index \(([\d, ]+)\)", line)
+                if found:
+                    index = tuple(int(v) for v in found.group(1).split(",") if v.strip())
+                    case = cases[int(re.search(r"case (\d+)", lines[0]).group(1)) - 1]
+                    lines.insert(i + 1, f"  {locate(index, **(case.kwargs or {}))}")
+                    break
+        found = re.search(r"on case (\d+) of", message)
+        skip = ("stopped after", "sys.exit", "KeyboardInterrupt", "likely cause", "two known mistakes")
+        if found and not any(s in message for s in skip):
+            case = cases[int(found.group(1)) - 1]
+
+            def correct(c: Case) -> bool:
+                try:
+                    kwargs = dict(c.kwargs or {})
+                    got = _quietly(run, *checks._copy_value(tuple(c.args)), **kwargs)
+                    atol, rtol = tolerance or checks._default_tolerance(
+                        want := reference(*c.args, **kwargs))
+                    return checks.compare(got, want, atol, rtol) is None
+                except (Exception, SystemExit):  # noqa: BLE001 - any failure is "not right"
+                    return False
+
+            line = layout_experiments(correct, case, names)
+            if line:  # the layout explains it: drop the guess about masks
+                lines = _insert_before_tail([x for x in lines if not x.startswith("  hint: ")],
+                                            f"  {line}")
+        raise checks.failed_with(exercise, "\n".join(lines)) from None
+
+
+def _params(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k != "layouts"}
