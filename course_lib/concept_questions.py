@@ -1,6 +1,6 @@
 """The concept checks that end each chapter: 3–6 short questions, every answer explained.
 
-In the spirit of the reading's "Check:" questions (why doubling N quadruples the cost, why
+In the spirit of the CS 229s notes' "Check:" questions (why doubling N quadruples the cost, why
 softmax is memory-bound on an A100, what the correction factor does when a tile's max is
 smaller, why recomputation beats reading P, what FA2 changed). A chapter shows its questions
 with :func:`course_lib.widgets.quiz.concept_check`; :func:`questions` returns them.
@@ -226,7 +226,7 @@ def _chapter_02() -> list:
 # ---------------------------------------------------------------- 03: online softmax
 
 def _chapter_03() -> list:
-    row = np.array([1.0, 2.0, 0.5, 0.1])  # the reading's worked example
+    row = np.array([1.0, 2.0, 0.5, 0.1])  # the CS 229s notes' worked example
     block = 2
     m, l = softmax.online_softmax_stats(row, block)
     m1, l1 = softmax.online_softmax_stats(row[:block], block)
@@ -253,7 +253,7 @@ def _chapter_03() -> list:
             ),
         )),
         Numeric(
-            f"The reading's row {row.tolist()} in tiles of {block}: what is the running sum l "
+            f"The CS 229s notes' row {row.tolist()} in tiles of {block}: what is the running sum l "
             f"after both tiles (relative to the final max {m:g})?",
             answer=float(l), rel_tol=0.01,
             explanation=f"Tile 1: m = {m1:g}, l = e⁻¹ + e⁰ ≈ {l1:.3f}. Tile 2's max "
@@ -798,7 +798,7 @@ def _chapter_09() -> list:
         )),
         Numeric(
             f"An {gpu.name} multiplies FP16 matrices at {gpu.fp16_tflops:g} TFLOP/s but runs exp "
-            f"at only {exp_tflops:g} TFLOP/s (FA3's figure; the reading's \"~4 TFLOPs\"). Per "
+            f"at only {exp_tflops:g} TFLOP/s (FA3's figure; the memory-wall article's \"~4 TFLOPs\"). Per "
             f"score, the two matmuls do 4·d FLOPs and the softmax one exp. At d = {d}, how long "
             f"do the exps take, as a fraction of the matmuls' time?",
             answer=exp_share,
