@@ -154,7 +154,7 @@ def learner_check(check: Callable) -> Callable:
             return not_done(handed.exercise, handed.fallback)
         except ExerciseFailed as exc:  # every wrong answer is recorded, whoever raised it
             found = _EXERCISE_ID.search(str(exc))
-            if found:
+            if found and _REPORTED.get(str(exc)) is None:
                 report(found.group(1), "wrong", str(exc))
             raise
         finally:
@@ -202,11 +202,17 @@ def report(exercise: str, status: str, message: str = "") -> None:
     if _LAST_REPORT.get(path) == line:  # the same outcome told twice (a check and its wrapper)
         return
     _LAST_REPORT[path] = line
+    if len(_REPORTED) > 256:
+        _REPORTED.clear()
+    _REPORTED[message] = status
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 
 _LAST_REPORT: dict[str, str] = {}
+# messages already recorded in this process (so that learner_check does not record a wrong
+# answer a second time); bounded: cleared when it grows large
+_REPORTED: dict[str, str] = {}
 
 
 def not_done(exercise: str, fallback: Any, lines: Sequence[str] = ()) -> Any:
@@ -676,8 +682,13 @@ class _TorchNonfinite:
                 continue
             if any(bool(test(t).any()) for t in tensors):
                 continue
-            frames = [f for f in traceback.extract_stack() if not is_library_frame(f.filename)]
-            self.first[kind] = (getattr(func, "__name__", str(func)), frames[-1] if frames else None)
+            # only an operation the learner's own code called: not the check's NaN margins
+            # (torch.full), not torch's or the library's internals
+            stack = traceback.extract_stack()[:-2]  # without this method and __torch_function__
+            caller = next((f for f in reversed(stack) if "/torch/" not in f.filename), None)
+            if caller is None or is_library_frame(caller.filename):
+                continue
+            self.first[kind] = (getattr(func, "__name__", str(func)), caller)
 
     def __exit__(self, *exc):
         if self.mode is not None:

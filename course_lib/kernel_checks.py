@@ -306,10 +306,15 @@ class MemoryGuard:
                 idx = tuple(int(i[0]) for i in index)
                 over = [(d, i, n) for d, (i, n) in enumerate(zip(idx, r.shape)) if i >= n]
                 text = "; ".join(f"dim {d} index {i} ≥ its size {n}" for d, i, n in over)
-                past = (f"`{r.name}` {tuple(r.shape)} at index {idx} ({text})",
-                        f"past the end of `{r.name}`: lanes past the last row/column need a "
-                        f"mask on the {'tl.store' if write else 'tl.load'} (mask=offs < n"
-                        f"{'' if write else ', other=0.0'}), or an offset is too large",
+                leading = len(r.shape) > 2 and all(d < len(r.shape) - 2 for d, _, _ in over)
+                why = (f"past the end of `{r.name}` along a batch/head dim: the batch or head "
+                       f"offset is too large — computed with another dim's stride, or from the "
+                       f"wrong program id (lanes of one tile never need a mask there)"
+                       if leading else
+                       f"past the end of `{r.name}`: lanes past the last row/column need a "
+                       f"mask on the {'tl.store' if write else 'tl.load'} (mask=offs < n"
+                       f"{'' if write else ', other=0.0'}), or an offset is too large")
+                past = (f"`{r.name}` {tuple(r.shape)} at index {idx} ({text})", why,
                         dict(tensor=r.name, index=idx, kind="past the end"))
         # 3. one tensor's base with another tensor's strides: every active lane must fit
         for r in nearest[:1]:
