@@ -18,6 +18,17 @@ from course_lib.kernels import hopper
 
 pytestmark = pytest.mark.ch09
 
+
+def expect(cpu, gpu):
+    """What a diagnosis must contain in this mode. In the interpreter (CPU) the memory guard
+    stops an access outside the tensors before it happens and names tensor, index and program
+    id, and NumPy traces a NaN to the kernel's line; on a GPU the guard is off and the guarded
+    buffers diagnose it after the launch (values written outside an output, NaN that came from
+    an input's margin)."""
+    from course_lib import runtime
+
+    return gpu if runtime.current().on_gpu else cpu
+
 CHECKS = {
     "9.1": (ch09.check_rotate_qk, ch09.ROTATE_MISTAKES, ch09.rotate_qk_reference),
     "9.2": (ch09.check_quantize_e4m3, ch09.QUANTIZE_MISTAKES, fp8.quantize_e4m3),
@@ -588,13 +599,20 @@ SCORES_KERNEL_CORPUS = {k.value: found for k, found in {
     LOG2_SCALE: ("cause", _cause("the scores are in log2 units")),
     SCALE_RECOMPUTED: ("cause", _cause("the scale is recomputed in the kernel as 1/√d")),
     SCALE_HEAD_DIM: ("cause", _cause("the scale is recomputed in the kernel as 1/√HEAD_DIM")),
-    # the guard stops every access outside the tensors before it happens
-    STORE_UNMASKED: ("seen", "tl.store in program"),
-    ROWS_MASK_ONLY: ("seen", "past the end of `S`"),
-    MASK_SWAPPED: ("seen", "tl.store in program"),
-    Q_ROWS_NK: ("seen", "past the end of `q`"),  # n_q = 37 < n_k = 45: Q's rows 37.. read
-    SHAPE_PADDED: ("seen", "tl.load in program"),  # d = 16 is HEAD_DIM in case 1; d = 48 later
-    STRIDES_SWAPPED: ("seen", "your kernel's tl.load"),
+    # in the interpreter the guard stops every access outside the tensors before it happens;
+    # on a GPU the sentinel around S counts the values written outside it
+    STORE_UNMASKED: ("seen", expect(cpu="tl.store in program", gpu="value(s) outside S (37, 45)")),
+    ROWS_MASK_ONLY: ("seen", expect(cpu="past the end of `S`", gpu="value(s) outside S (37, 45)")),
+    MASK_SWAPPED: ("seen", expect(cpu="tl.store in program", gpu="value(s) outside S (37, 45)")),
+    # n_q = 37 < n_k = 45 in case 1: Q's rows 37.. are read, which the guard stops; on a GPU they
+    # feed only S's masked rows, and case 3 (n_q > n_k, Q's rows past n_k read as 0) names it
+    Q_ROWS_NK: expect(cpu=("seen", "past the end of `q`"),
+                      gpu=("cause", _cause("Q's descriptor has n_k rows"))),
+    # d = 16 is HEAD_DIM in case 1; d = 48 later: on a GPU the padded columns read Q's NaN margin
+    SHAPE_PADDED: ("seen", expect(cpu="tl.load in program",
+                                  gpu="depends on memory outside the inputs (their margins hold NaN")),
+    STRIDES_SWAPPED: ("seen", expect(cpu="your kernel's tl.load",
+                                     gpu="depends on memory outside the inputs (their margins hold NaN")),
     STORE_ROW_N_K: ("seen", "✗ Exercise 9.3"),
     PIDS_SWAPPED: ("seen", "✗ Exercise 9.3"),
     SCALE_TWICE: ("seen", "wrong answer on case 1 of 4"),
@@ -611,6 +629,8 @@ def assert_diagnosed(message, expected, causes):
     kind, text = expected
     named = [c for c in causes if f"likely cause: {c}" in message]
     assert "two known mistakes reproduce" not in message or kind == "cause", message
+    # the check's own NaN margins are never where a NaN "came from"
+    assert "came from torch's full" not in message, message
     if kind == "cause":
         assert named == [text], message
     else:
