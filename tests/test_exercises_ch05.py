@@ -663,7 +663,6 @@ def test_matmul_hints_and_skeleton_fit_the_hint_ladder():
 
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 SOLUTION_NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05_triton_primer.ipynb"
