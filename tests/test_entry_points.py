@@ -62,8 +62,9 @@ from course_lib import primer
 x, y = torch.randn(1000, device=dev), torch.randn(1000, device=dev)
 res["primer_add"] = (primer.vector_add(x, y) - (x + y)).abs().max().item()
 
+from course_lib import checks
 from course_lib.exercises import ch05
-with contextlib.redirect_stdout(io.StringIO()) as out:
+with contextlib.redirect_stdout(io.StringIO()) as out, checks.library_answers_allowed():
     ch05.check_add_kernel(primer.add_kernel)
     ch05.check_softmax_kernel(primer.softmax_kernel)
 res["checks"] = out.getvalue()
