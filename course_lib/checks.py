@@ -549,17 +549,23 @@ def _default_tolerance(want: Any) -> tuple[float, float]:
     return TOLERANCES.get(_dtype_name(sample), TOLERANCES["float32"])
 
 
-def _outputs_match(a: Any, b: Any, atol: float, rtol: float) -> bool:
+def _outputs_match(a: Any, b: Any, atol: float, rtol: float, want: Any = None) -> bool:
     """Whether a mistake model's output ``b`` reproduces the learner's ``a``: the same structure,
-    shapes and values (NaN where NaN), whatever the dtypes or array types — a learner whose
-    maths is wrong in one way and whose dtype is off too still made that mistake."""
+    shapes and values (NaN where NaN), and the same dtypes — except that a model which keeps the
+    right dtype (that of ``want``, the reference's output) also fits a learner whose dtype is off
+    too: a wrong formula and a dtype slip are two mistakes, and the model names the first. A
+    model that *is* a dtype slip must match the learner's dtype exactly."""
     try:
         if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+            wants = want if isinstance(want, (tuple, list)) and len(want) == len(b) else [None] * len(b)
             return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list))
                     and len(a) == len(b)
-                    and all(_outputs_match(x, y, atol, rtol) for x, y in zip(a, b)))
+                    and all(_outputs_match(x, y, atol, rtol, w) for x, y, w in zip(a, b, wants)))
         if a is None or b is None:
             return a is b
+        if _dtype_name(a) != _dtype_name(b) and (want is None
+                                                 or _dtype_name(b) != _dtype_name(want)):
+            return False
         g, w = to_numpy64(a), to_numpy64(b)
         if g.shape != w.shape:
             return False
@@ -874,7 +880,7 @@ def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) ->
                 if i == 0:
                     break
                 continue
-            if not _outputs_match(run.got, mistaken, *run.tolerance):
+            if not _outputs_match(run.got, mistaken, *run.tolerance, run.want):
                 break
         else:
             survivors.append(cause)
