@@ -697,7 +697,10 @@ class Layout:
 def place(x: torch.Tensor, layout: "Layout | None", fill: float):
     """``(view, buffer)``: a copy of ``x`` laid out as ``layout`` in a buffer filled with ``fill``
     (default layout: dense row-major)."""
-    layout = layout or Layout.dense(x.ndim)
+    if layout is None:  # dense row-major, with as much room again past the end (strides are
+        # unchanged): a store or load past the end lands in the margin, where it shows on a GPU
+        layout = Layout(tuple(range(x.ndim)), (max(1, x.shape[0]),) + (0,) * (x.ndim - 1)) \
+            if x.ndim else Layout.dense(0)
     view, buffer = embed(x.permute(layout.order), layout.pad, fill)
     inverse = sorted(range(x.ndim), key=lambda d: layout.order[d])
     return view.permute(inverse), buffer
