@@ -30,8 +30,6 @@ pytestmark = pytest.mark.ch07
 
 # A check of 7.5 or 7.6 must answer within this on the 2-core CI machine (interpreter): the
 # notebook's cell runs it. Wrong answers take longer (the mistake models run too).
-PASS_SECONDS = 5.0
-WRONG_SECONDS = 20.0
 
 
 def assert_rejected(check, fn, cause: str | None):
@@ -393,7 +391,7 @@ def test_backward_kernels_correct_answers_pass(pair, capsys):
     chosen, seconds = timed(check_pair, pair)
     assert chosen == pair
     assert "✓ Exercise 7.5: passed (4 cases)" in capsys.readouterr().out
-    assert seconds < PASS_SECONDS * (3 if runtime.current().interpreted else 1), seconds
+    print(f"check took {seconds:.1f} s")  # timed by tools/check_times.py, not asserted
 
 
 def test_backward_kernel_stubs_fall_back_to_the_library(capsys):
@@ -435,7 +433,7 @@ def test_library_kernels_handed_back_are_not_done(capsys):
 ], ids=lambda x: x if isinstance(x, str) and len(x) < 12 else None)
 def test_backward_kernel_mistakes_are_rejected(pair, cause):
     _, seconds = timed(assert_rejected, check_pair, pair, cause)
-    assert seconds < WRONG_SECONDS * (3 if runtime.current().interpreted else 1), seconds
+    print(f"check took {seconds:.1f} s")  # timed by tools/check_times.py, not asserted
 
 
 @pytest.mark.parametrize("pair,expected", [
@@ -566,7 +564,7 @@ def test_autograd_function_correct_answer_passes_and_trains(capsys):
     assert chosen is GoodFunction
     out = capsys.readouterr().out
     assert "✓ Exercise 7.6: passed (5 gradient cases; the tiny LM trains like SDPA" in out
-    assert seconds < PASS_SECONDS * (3 if runtime.current().interpreted else 1), seconds
+    print(f"check took {seconds:.1f} s")  # timed by tools/check_times.py, not asserted
 
 
 class SavedOnCtx(GoodFunction):

@@ -963,7 +963,14 @@ def check_backward_kernels(dkdv, dq_kern):
                             kernel_cases(), fallback=(backward.dkdv_kernel, backward.dq_kernel),
                             mistakes=_kernel_mistakes(), names=("dq", "dk", "dv"),
                             blocks_of=_kernel_blocks, kernel_check=kernel_checks.check_kernel,
-                            answer=(dkdv, dq_kern))
+                            answer=(dkdv, dq_kern), tolerance=_kernel_tolerance())
+
+
+def _kernel_tolerance():
+    """None (by dtype) in the interpreter; on a GPU the cases are fp16/bf16, where a correct
+    backward (P and dS rounded to half precision before their matmuls) is off by ~5e-3 on
+    gradients of order 0.1–1: (2e-2, 4e-2), still far below the O(1) errors of the mistakes."""
+    return None if _rt.interpreted else (2e-2, 4e-2)
 
 
 # ----------------------------------------------------------------------------------------------
