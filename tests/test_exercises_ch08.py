@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from corpus_checks import assert_cause, one  # noqa: F401
 from course_lib import decoding
 from course_lib.checks import ExerciseFailed
 from course_lib.exercises import ch08
@@ -83,21 +84,6 @@ def _diagnosis(check, answer):
     return str(info.value)
 
 
-def _assert_cause(message, mistakes, cause):
-    named = [c for c in mistakes if f"likely cause: {c}" in message]
-    if cause is None:
-        assert not named and "likely cause" not in message, message
-        assert "two known mistakes reproduce" not in message, message
-    else:
-        assert named == [cause], message
-
-
-def _one(mistakes, start):
-    found = [c for c in mistakes if c.startswith(start)]
-    assert len(found) == 1, start
-    return found[0]
-
-
 def _cache_corpus():
     c = ch08.CACHE_MISTAKES
 
@@ -108,14 +94,14 @@ def _cache_corpus():
         return total
 
     return [
-        (no_two, _one(c, "the factor 2 is missing")),
+        (no_two, one(c, "the factor 2 is missing")),
         (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nh * hd * n * b * nb,
-         _one(c, "n_heads is used instead")),
-        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b, _one(c, "the result counts")),
-        (lambda L, nh, nkv, hd, n, b, nb: 2 * nkv * hd * n * b * nb, _one(c, "the number of lay")),
-        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * nb, _one(c, "the batch is miss")),
+         one(c, "n_heads is used instead")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b, one(c, "the result counts")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * nkv * hd * n * b * nb, one(c, "the number of lay")),
+        (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * nb, one(c, "the batch is miss")),
         (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nh * nkv * hd * n * b * nb,
-         _one(c, "n_heads and n_kv_heads")),
+         one(c, "n_heads and n_kv_heads")),
         (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * n * b * nb * 8, None),  # bits
         (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * hd * (n + 1) * b * nb, None),
         (lambda L, nh, nkv, hd, n, b, nb: 2 * L * nkv * n * b * nb, None),  # no head_dim
@@ -181,17 +167,17 @@ def _combine_corpus():
         return (o * keep).sum(0) / keep.sum(0)
 
     return [
-        (loop_no_correction, _one(c, "the chunk outputs are weighted by l_s without")),
+        (loop_no_correction, one(c, "the chunk outputs are weighted by l_s without")),
         (lambda m, l, o: np.average(o, axis=0, weights=np.broadcast_to(l[..., None], o.shape)),
-         _one(c, "the chunk outputs are weighted by l_s without")),
-        (global_max, _one(c, "the max is taken over the whole array")),
-        (no_l, _one(c, "the outputs are weighted by exp(m_s − m) alone")),
-        (no_max, _one(c, "the weights are l_s · exp(m_s) with no max")),
-        (flipped, _one(c, "the correction has the wrong sign")),
-        (unnormalised, _one(c, "the weighted sum is not divided")),
-        (best_only, _one(c, "only the chunk with the largest max")),
-        (rescaled_out_plain_sum, _one(c, "the outputs are rescaled by exp(m_s − m) but")),
-        (lambda m, l, o: o.mean(axis=0), _one(c, "the chunk outputs are simply averaged")),
+         one(c, "the chunk outputs are weighted by l_s without")),
+        (global_max, one(c, "the max is taken over the whole array")),
+        (no_l, one(c, "the outputs are weighted by exp(m_s − m) alone")),
+        (no_max, one(c, "the weights are l_s · exp(m_s) with no max")),
+        (flipped, one(c, "the correction has the wrong sign")),
+        (unnormalised, one(c, "the weighted sum is not divided")),
+        (best_only, one(c, "only the chunk with the largest max")),
+        (rescaled_out_plain_sum, one(c, "the outputs are rescaled by exp(m_s − m) but")),
+        (lambda m, l, o: o.mean(axis=0), one(c, "the chunk outputs are simply averaged")),
         (double_l, None),
         (by_chunks, None),
         (in_place, None),
@@ -237,10 +223,10 @@ def _combine_valid():
 def _head_corpus():
     c = ch08.HEAD_MISTAKES
     return [
-        (lambda h, n, nkv: h % nkv, _one(c, "h % n_kv_heads interleaves")),
-        (lambda h, n, nkv: np.floor_divide(h, nkv), _one(c, "h // n_kv_heads divides")),
-        (lambda h, n, nkv: h % (n // nkv), _one(c, "h % group gives")),
-        (lambda h, n, nkv: h * (n // nkv), _one(c, "h * group maps")),
+        (lambda h, n, nkv: h % nkv, one(c, "h % n_kv_heads interleaves")),
+        (lambda h, n, nkv: np.floor_divide(h, nkv), one(c, "h // n_kv_heads divides")),
+        (lambda h, n, nkv: h % (n // nkv), one(c, "h % group gives")),
+        (lambda h, n, nkv: h * (n // nkv), one(c, "h * group maps")),
         (lambda h, n, nkv: np.floor(h / (n // nkv)), None),  # float indices
         (lambda h, n, nkv: np.round(h / (n // nkv)).astype(h.dtype), None),
         (lambda h, n, nkv: (nkv - 1) - h // (n // nkv), None),
@@ -274,7 +260,7 @@ def test_learner_wrong_answers_are_rejected_and_never_misdiagnosed(exercise, i):
     answer, cause = corpus[i]
     message = _diagnosis(check, answer)
     assert message.startswith(f"✗ Exercise {exercise}"), message
-    _assert_cause(message, mistakes, cause)
+    assert_cause(message, mistakes, cause)
 
 
 @pytest.mark.parametrize("exercise, answer", [
