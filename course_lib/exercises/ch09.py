@@ -674,9 +674,11 @@ def scores_kernel_runner(kernel, scale=None, block_m=SCORES_BLOCK_M, block_n=SCO
         coverage_hint=f"program (pid_m, pid_n) = (tl.program_id(0), tl.program_id(1)) writes the "
                       f"tile S[pid_m·BLOCK_M : (pid_m+1)·BLOCK_M, pid_n·BLOCK_N : "
                       f"(pid_n+1)·BLOCK_N] (here BLOCK_M = {block_m}, BLOCK_N = {block_n})",
-        load_hint="a descriptor reads past the tensor: its shape must be the tensor's real shape, "
-                  "[n_q, HEAD_DIM_REAL] for Q and [n_k, HEAD_DIM_REAL] for K (not padded to whole "
-                  "tiles or to HEAD_DIM) — the descriptor fills the rest of a tile with zeros")
+        load_hint="a descriptor reads outside its tensor: check the shape and strides it was "
+                  "made with — the shape must be the tensor's real one ([n_q, HEAD_DIM_REAL] for "
+                  "Q, [n_k, HEAD_DIM_REAL] for K, not padded to whole tiles or to HEAD_DIM: the "
+                  "descriptor fills the rest of a tile with zeros) and the strides the tensor's own "
+                  "[stride_row, 1]")
 
 
 @learner_check
