@@ -23,6 +23,8 @@ check-python:
 
 # Re-install only when the packaging changes (pip is slow even when nothing is to do).
 $(STAMP): pyproject.toml | check-python
+	@if test -x $(PY) && ! $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then \
+	  echo "$(VENV) was made with $$($(PY) --version 2>&1), older than Python $(MIN_PY): making it again"; rm -rf $(VENV); fi
 	@test -x $(PY) || { echo "Creating $(VENV) with $$($(PYTHON) --version)"; $(PYTHON) -m venv $(VENV); }
 	@echo "Installing the course and its pinned dependencies into $(VENV) (first time: a few minutes)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[lab,test]'
