@@ -58,7 +58,7 @@ def environment_report() -> dict:
     """Versions and device facts as a dict (the notebook prints it as a table)."""
     rt = runtime.current()
     report = {"mode": "GPU (native Triton)" if rt.on_gpu else "CPU (Triton interpreter)",
-              "device": rt.gpu_name or "cpu", **rt.versions}
+              "device": rt.gpu_name if rt.on_gpu else "cpu", **rt.versions}
     if rt.on_gpu:
         props = torch.cuda.get_device_properties(0)
         report["gpu memory"] = f"{props.total_memory / 2**30:.1f} GiB"

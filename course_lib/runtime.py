@@ -59,6 +59,10 @@ class Runtime:
         versions = f"torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
         if self.on_gpu:
             return f"GPU mode: Triton kernels run natively on {self.gpu_name} · {versions}"
+        if self.gpu_name:  # a GPU below Triton's supported compute capability
+            return (f"CPU mode: {self.gpu_name} is below the compute capability Triton supports "
+                    f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}+), so Triton runs "
+                    f"in its interpreter on CPU tensors (small sizes) · {versions}")
         return f"CPU mode: no CUDA GPU, Triton runs in its interpreter (small sizes) · {versions}"
 
 
@@ -66,14 +70,28 @@ _RUNTIME: Runtime | None = None
 _KERNELS_DEFINED = False
 
 
-def choose_mode(cuda_available: bool, force: str | None = None) -> str:
-    """Decide the mode. ``force`` ("gpu" or "interpreter") overrides detection."""
+# Triton supports NVIDIA GPUs of compute capability 8.0 (A100) and newer; below (e.g. Colab's free
+# T4, 7.5) its maintainers say it "may work at times", and bf16 and fp8 do not compile there.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def choose_mode(cuda_available: bool, force: str | None = None,
+                capability: tuple | None = None) -> str:
+    """Decide the mode. ``force`` ("gpu" or "interpreter") overrides detection; ``capability``
+    is the GPU's compute capability: below :data:`MIN_COMPUTE_CAPABILITY` the course uses the
+    interpreter (and refuses ``force="gpu"`` with the reason)."""
     if force is not None:
         if force not in (GPU, INTERPRETER):
             raise ValueError(f"force must be 'gpu', 'interpreter' or None, got {force!r}")
         if force == GPU and not cuda_available:
             raise ValueError("force='gpu' but torch sees no CUDA GPU on this machine")
+        if force == GPU and capability is not None and tuple(capability) < MIN_COMPUTE_CAPABILITY:
+            raise ValueError(f"force='gpu' but this GPU's compute capability "
+                             f"{capability[0]}.{capability[1]} is below Triton's supported "
+                             f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}")
         return force
+    if cuda_available and capability is not None and tuple(capability) < MIN_COMPUTE_CAPABILITY:
+        return INTERPRETER
     return GPU if cuda_available else INTERPRETER
 
 
@@ -175,7 +193,9 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
     global _RUNTIME
     import torch
 
-    mode = choose_mode(torch.cuda.is_available(), force)
+    cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability() if cuda else None
+    mode = choose_mode(cuda, force, capability)
     if _RUNTIME is not None and _RUNTIME.mode != mode and _KERNELS_DEFINED:
         raise RuntimeError(
             f"Triton kernels were already defined in {_RUNTIME.mode} mode; restart the kernel "
@@ -184,7 +204,7 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
     _RUNTIME = Runtime(
         mode=mode,
         device="cuda" if mode == GPU else "cpu",
-        gpu_name=torch.cuda.get_device_name() if mode == GPU else None,
+        gpu_name=torch.cuda.get_device_name() if cuda else None,
         versions=_versions(),
         sizes=dict(_DEFAULT_SIZES[mode]),
     )

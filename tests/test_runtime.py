@@ -79,6 +79,7 @@ def test_gpu_branch_turns_interpreter_off(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     rt = runtime.setup(verbose=False)
     assert calls == [False]
     assert rt.mode == "gpu" and rt.device == "cuda" and rt.gpu_name == "Fake GPU"
@@ -101,3 +102,30 @@ def test_setup_prints_exactly_one_line(capsys):
     assert len(out.strip().splitlines()) == 1
     assert "torch" in out and "triton" in out and "numpy" in out
     assert len(out.strip()) <= 120  # fits one line of a notebook output without wrapping
+
+
+def test_a_gpu_below_tritons_floor_gets_the_interpreter():
+    """Colab's free T4 (compute capability 7.5) is below Triton's supported 8.0: the course uses
+    the interpreter there, and refuses force='gpu' with the reason."""
+    assert runtime.choose_mode(True, capability=(7, 5)) == runtime.INTERPRETER
+    assert runtime.choose_mode(True, capability=(8, 0)) == runtime.GPU
+    assert runtime.choose_mode(True, capability=(9, 0)) == runtime.GPU
+    with pytest.raises(ValueError, match="compute capability 7.5"):
+        runtime.choose_mode(True, force="gpu", capability=(7, 5))
+    below = runtime.Runtime(mode=runtime.INTERPRETER, device="cpu", gpu_name="Tesla T4",
+                            versions={"torch": "t", "triton": "tr", "numpy": "n"})
+    assert "Tesla T4 is below the compute capability Triton supports (8.0+)" in below.describe()
+
+
+def test_setup_on_a_gpu_below_the_floor_uses_the_interpreter(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime, "_set_interpreter", lambda on: calls.append(on))
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    rt = runtime.setup(verbose=False)
+    assert calls == [True]
+    assert rt.mode == "interpreter" and rt.device == "cpu" and rt.gpu_name == "Tesla T4"
+    assert "below the compute capability" in rt.describe()
