@@ -30,17 +30,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, f"ch{m.group(1)}"))
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return torch.cuda.is_available()
+def _gpu_mode() -> bool:
+    """True when the course runs its kernels on a GPU (a CUDA GPU Triton supports)."""
+    from course_lib import runtime
+
+    return runtime.current().on_gpu
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker("gpu") and not _cuda_available():
-        pytest.skip("needs a CUDA GPU (this machine has none; run on the GPU machine, see README)")
+    if item.get_closest_marker("gpu") and not _gpu_mode():
+        pytest.skip("needs a CUDA GPU of compute capability 8.0+ (this machine has none; run on "
+                    "the GPU machine, see README)")
 
 
 @pytest.fixture
