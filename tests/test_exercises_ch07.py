@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from corpus_checks import assert_rejected  # noqa: E402
 from course_lib import runtime
 
 runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -27,19 +28,6 @@ pytestmark = pytest.mark.ch07
 
 def stub(*args, **kwargs):
     raise NotImplementedError("Exercise 7.x")
-
-
-def assert_rejected(check, fn, cause: str | None):
-    """The check raises ExerciseFailed; when ``cause`` is given, the message names it as the
-    likely cause; when None, it names no cause at all (never a wrong one)."""
-    with pytest.raises(ExerciseFailed) as info:
-        check(fn)
-    message = str(info.value)
-    if cause is not None:
-        assert "likely cause" in message and cause in message, message
-    else:
-        assert "likely cause" not in message and "two known mistakes" not in message, message
-    return message
 
 
 # ---- Exercise 7.1: compute_d(o, do) -> (..., N_q) --------------------------------------------

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from corpus_checks import assert_rejected  # noqa: E402
 from course_lib import runtime
 
 runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -18,7 +19,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from course_lib.checks import ExerciseFailed  # noqa: E402
 from course_lib import checks
 from course_lib.exercises import ch07  # noqa: E402
 from course_lib.kernels import backward  # noqa: E402
@@ -27,24 +27,6 @@ from course_lib.kernels.forward import attention_forward  # noqa: E402
 from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
 pytestmark = pytest.mark.ch07
-
-# A check of 7.5 or 7.6 must answer within this on the 2-core CI machine (interpreter): the
-# notebook's cell runs it. Wrong answers take longer (the mistake models run too).
-
-
-def assert_rejected(check, fn, cause: str | None):
-    """The check raises ExerciseFailed; when ``cause`` is given, the message names it as the
-    likely cause; when None, it names no cause at all (never a wrong one)."""
-    with pytest.raises(ExerciseFailed) as info:
-        check(fn)
-    message = str(info.value)
-    if cause is not None:
-        assert "likely cause" in message and cause in message, message
-    else:
-        assert "likely cause" not in message and "two known mistakes" not in message, message
-    assert "Traceback" not in message
-    return message
-
 
 def check_pair(pair):
     return ch07.check_backward_kernels(*pair)

@@ -72,14 +72,22 @@ def test_gpu_branch_describes_native_mode(monkeypatch):
     assert rt.on_gpu and not rt.interpreted
 
 
-def test_gpu_branch_turns_interpreter_off(monkeypatch):
+def fake_cuda(monkeypatch, name: str, capability: tuple) -> list:
+    """torch sees one CUDA GPU ``name`` of ``capability``; setup() starts afresh; returns the
+    list that records each interpreter switch setup() makes."""
+    import torch
+
     calls = []
     monkeypatch.setattr(runtime, "_set_interpreter", lambda on: calls.append(on))
     monkeypatch.setattr(runtime, "_RUNTIME", None)
-    import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    return calls
+
+
+def test_gpu_branch_turns_interpreter_off(monkeypatch):
+    calls = fake_cuda(monkeypatch, "Fake GPU", (9, 0))
     rt = runtime.setup(verbose=False)
     assert calls == [False]
     assert rt.mode == "gpu" and rt.device == "cuda" and rt.gpu_name == "Fake GPU"
@@ -118,13 +126,7 @@ def test_a_gpu_below_tritons_floor_gets_the_interpreter():
 
 
 def test_setup_on_a_gpu_below_the_floor_uses_the_interpreter(monkeypatch):
-    calls = []
-    monkeypatch.setattr(runtime, "_set_interpreter", lambda on: calls.append(on))
-    monkeypatch.setattr(runtime, "_RUNTIME", None)
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    calls = fake_cuda(monkeypatch, "Tesla T4", (7, 5))
     rt = runtime.setup(verbose=False)
     assert calls == [True]
     assert rt.mode == "interpreter" and rt.device == "cpu" and rt.gpu_name == "Tesla T4"

@@ -132,6 +132,8 @@ WRONG_AXIS = "softmax over the wrong axis: each query's row (the last axis, over
 NO_MAX = ("no max subtraction: exp of scores in the thousands overflows to inf (and of large "
           "negative ones underflows to 0), and inf/inf or 0/0 is NaN — subtract each row's max "
           "before exp")
+GLOBAL_MAX = ("the max subtracted is the whole array's (s.max() without axis): a row far below it "
+              "underflows to 0/0 = NaN; subtract each row's own max, s.max(axis=-1, keepdims=True)")
 
 MISTAKES_NUMPY = {
     "the scores are not scaled: multiply q kᵀ by 1/√d": _m(scale="none"),
@@ -146,8 +148,7 @@ MISTAKES_NUMPY = {
     "softmax over axis 1: for batched inputs axis 1 is not the keys' axis; use axis=-1":
         _m(axis=1),
     NO_MAX: _m(subtract_max="none"),
-    "the max subtracted is the whole array's (s.max() without axis): a row far below it "
-    "underflows to 0/0 = NaN; subtract each row's own max, s.max(axis=-1, keepdims=True)":
+    GLOBAL_MAX:
         _m(subtract_max="global"),
     "the row max lost its axis (s.max(axis=-1) without keepdims=True), so it is subtracted "
     "along the keys, one column at a time: keep keepdims=True": _m(subtract_max="no keepdims"),
@@ -325,8 +326,7 @@ MISTAKES_STANDARD = {
     f"no max subtraction: exp of scores in the thousands overflows to inf (and of large negative "
     f"ones underflows to 0), and inf/inf or 0/0 is NaN — subtract each row's max before exp":
         _mistake(subtract_max="none"),
-    "the max subtracted is the whole array's (s.max() without axis): a row far below it "
-    "underflows to 0/0 = NaN; subtract each row's own max, s.max(axis=-1, keepdims=True)":
+    GLOBAL_MAX:
         _mistake(subtract_max="global"),
     "the causal mask is transposed: key j is visible to query i when j <= i (np.tril's shape, "
     "ones on and below the diagonal)": _mistake(mask="transposed"),
