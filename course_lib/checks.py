@@ -858,9 +858,6 @@ class CaseRun:
     tolerance: tuple[float, float]
 
 
-_Run = CaseRun  # the name chapter code used first
-
-
 def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) -> list[str]:
     """The causes whose mistake model reproduces the learner's output on every case where both
     ran: on the first wrong case (the one the diagnosis shows) and on every other case, right or

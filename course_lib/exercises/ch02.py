@@ -378,7 +378,7 @@ def check_cost_table(fn, **kwargs):
             continue
         want = reference_cost_table(*case.args, **case.kwargs)
         problem = _table_problem(got, want)
-        runs.append(checks._Run(n, case, _encode(want), _encode(got),
+        runs.append(checks.CaseRun(n, case, _encode(want), _encode(got),
                                 "\n".join(problem) if problem else None, (0.0, TABLE_RTOL)))
     first = next((r for r in runs if r.problem), None)
     if first is None:
