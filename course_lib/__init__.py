@@ -8,8 +8,13 @@ kernel modules before their first ``@triton.jit``).
 
 Public API (a contract: tests outside the project call these names):
 
-- ``flash_attention(q, k, v, causal=False, scale=None)`` — Triton kernel, forward and backward.
-- ``flash_attention_with_lse(q, k, v, causal=False, scale=None)`` — forward only, ``(o, lse)``.
+- ``flash_attention(q, k, v, causal=False, scale=None, *, window=None, seq_lens=None,
+  block_mask=None)`` — Triton kernel, forward and backward (GQA/MQA when k, v have fewer heads).
+- ``flash_attention_with_lse(q, k, v, causal=False, scale=None, *, window=None, seq_lens=None,
+  block_mask=None)`` — forward only, ``(o, lse)``.
+- ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+  causal=False, scale=None, window=None, return_lse=False)`` — packed variable-length batches.
+- ``BlockMask`` — which K/V tiles each Q tile visits (:mod:`course_lib.blockmask`).
 - ``flash_attention_numpy(q, k, v, causal=False, scale=None, block_m=..., block_n=...)``.
 - ``flash_attention_numpy_backward(q, k, v, o, lse, do, causal=False, scale=None, ...)``.
 - ``online_softmax(x, block_size)``.
@@ -23,6 +28,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "flash_attention": "course_lib.kernels.api",
     "flash_attention_with_lse": "course_lib.kernels.api",
+    "flash_attention_varlen": "course_lib.kernels.api",
+    "BlockMask": "course_lib.blockmask",
     "flash_attention_numpy": "course_lib.tiled",
     "flash_attention_numpy_backward": "course_lib.tiled_backward",
     "online_softmax": "course_lib.softmax",

@@ -16,8 +16,10 @@ Modules, in the order the chapters teach them:
 - :mod:`course_lib.kernels.hopper`   chapter 09: the forward with tensor-descriptor (TMA) loads,
   used by the library on Hopper at head dim 128, and the FP8 (e4m3) forward.
 - :mod:`course_lib.kernels.decoding` chapter 08: split-KV flash-decoding with GQA/MQA.
+- :mod:`course_lib.kernels.masked`   chapter 10: masks as tile lists (block-sparse, sliding
+  window, documents, per-sample and packed variable lengths, GQA), forward and backward.
 - :mod:`course_lib.kernels.api`      input checks, the ``torch.autograd.Function`` and the public
-  :func:`~course_lib.kernels.api.flash_attention`.
+  :func:`~course_lib.kernels.api.flash_attention` (and ``flash_attention_varlen``).
 
 Importing this package decorates no kernel; the submodules do, after
 :func:`course_lib.runtime.ensure_configured` has chosen GPU or interpreter.

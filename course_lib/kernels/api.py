@@ -17,6 +17,24 @@ is_causal=causal, scale=scale)`` without dropout or an explicit mask:
   :func:`course_lib.runtime.setup` chose).
 
 Anything else is refused with a ``TypeError`` or ``ValueError`` that names the argument.
+
+Chapter 10 adds keyword-only arguments (each composable with ``causal``), served by the masked
+kernels of :mod:`course_lib.kernels.masked` ("visited tiles only"); without them the dense and
+causal kernels above run exactly as before:
+
+- ``window=(left, right)``: FlashAttention-2's sliding window, query ``i`` sees keys
+  ``i + N_k - N_q - left <= j <= i + N_k - N_q + right`` (-1: unbounded on that side; aligned to
+  the bottom-right corner as FlashAttention-2 aligns it, the same as top-left when N_q = N_k);
+- ``seq_lens``: a padded batch, ``(B,)`` ints (the same for queries and keys) or a pair
+  ``(seq_lens_q, seq_lens_k)``, for ``(B, H, N, d)`` inputs: sample ``b`` has that many real
+  queries/keys; padding rows get ``o = 0``; the window is aligned per sample;
+- ``block_mask``: a :class:`course_lib.blockmask.BlockMask` (block-sparse, documents, any
+  ``mask_mod``); the kernels run with its tile sizes;
+- GQA/MQA by shape: ``k``, ``v`` ``(..., H_kv, N_k, d)`` with ``H_kv`` dividing q's ``H``
+  (SDPA's ``enable_gqa``): query head ``h`` reads K/V head ``h // (H // H_kv)``.
+
+:func:`flash_attention_varlen` takes FlashAttention-2's packed layout. A query row that sees no
+key gets ``o = 0`` and ``lse = -inf``, and zero gradients.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ import numbers
 
 import torch
 
+from course_lib import blockmask as bm
 from course_lib import runtime
 from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
 from course_lib.kernels.backward import attention_backward
@@ -160,28 +179,252 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None
 
 
-def flash_attention(q, k, v, causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """FlashAttention (Triton), forward and backward: ``softmax(scale · q kᵀ [+ causal mask]) v``.
+def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
+                    seq_lens=None, block_mask=None) -> torch.Tensor:
+    """FlashAttention (Triton), forward and backward: ``softmax(scale · q kᵀ [+ mask]) v``.
 
     Args:
-        q: ``(..., N_q, d)``; k, v: ``(..., N_k, d)``; same leading dims, dtype and device.
+        q: ``(..., N_q, d)``; k, v: ``(..., N_k, d)``; same leading dims, dtype and device (k, v
+            may have fewer heads, ``H_kv`` dividing ``H``: GQA/MQA).
         causal: top-left aligned causal mask, as SDPA's ``is_causal``.
         scale: score scale; default ``1/sqrt(d)``.
+        window, seq_lens, block_mask: keyword-only masks (see the module docstring), served by
+            the masked kernels; rows that see no key get ``o = 0``.
 
     Returns:
         ``o``: ``(..., N_q, d)`` in q's dtype. Differentiable w.r.t. q, k and v.
     """
+    if _uses_masks(q, k, window, seq_lens, block_mask):
+        q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
+        return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan).reshape(q.shape)
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     return FlashAttentionFunction.apply(q, k, v, causal, scale)
 
 
-def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None):
+def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
+                             seq_lens=None, block_mask=None):
     """Forward only, also returning the natural-log log-sum-exp per query row.
 
     Returns:
-        ``(o, lse)``: ``o`` ``(..., N_q, d)``; ``lse`` ``(..., N_q)`` float32 (float64 for float64).
+        ``(o, lse)``: ``o`` ``(..., N_q, d)``; ``lse`` ``(..., N_q)`` float32 (float64 for float64),
+        ``-inf`` for a row that sees no key.
     """
+    if _uses_masks(q, k, window, seq_lens, block_mask):
+        q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
+        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+        return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     return _forward(q, k, v, causal, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 10: masks, variable lengths, GQA (the masked kernels)
+
+
+def _masked_module():
+    from course_lib.kernels import masked  # decorates the masked kernels on first use only
+
+    return masked
+
+
+class _LazyMasked:
+    def __getattr__(self, name):
+        return getattr(_masked_module(), name)
+
+
+masked = _LazyMasked()
+
+
+def _uses_masks(q, k, window, seq_lens, block_mask) -> bool:
+    """True when a chapter 10 argument is used (a mask, lengths, or fewer K/V heads than Q heads)."""
+    if window is not None or seq_lens is not None or block_mask is not None:
+        return True
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 3
+            and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and k.shape[:-3] == q.shape[:-3])
+
+
+def validate_gqa(q, k, v) -> None:
+    """q ``(..., H, N_q, d)``, k and v ``(..., H_kv, N_k, d)`` with ``H_kv`` dividing ``H``; then every
+    other check of :func:`validate_inputs` (run on q's first ``H_kv`` heads)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k and v must have the same leading dims (..., H_kv), got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3]:
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        if k.shape[:-3] != q.shape[:-3]:
+            raise ValueError(f"q, k and v must have the same leading dims before the heads, got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}")
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(f"GQA: the query heads H = {heads} must be a multiple of the key/value heads "
+                             f"H_kv = {kv_heads} (q {tuple(q.shape)}, k {tuple(k.shape)})")
+        validate_offsets(q=q)
+        q = q.narrow(-3, 0, kv_heads)
+    return q
+
+
+def _validate_lengths(name: str, lens, batch: int, n: int, device) -> torch.Tensor:
+    if not isinstance(lens, torch.Tensor) or lens.is_floating_point() or lens.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of shape (B,), got {type(lens).__name__} "
+                        f"{getattr(lens, 'dtype', '')}")
+    if lens.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
+    if lens.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {lens.device}")
+    values = lens.tolist()
+    if any(x < 0 or x > n for x in values):
+        raise ValueError(f"{name} must lie in [0, {n}] (the padded length), got {values}")
+    return lens.to(torch.int32).contiguous()
+
+
+def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
+    """Check a masked call and build its :class:`~course_lib.kernels.masked.MaskPlan`.
+
+    Returns ``(q4, k4, v4, scale, plan)`` with ``(B, H, N, d)`` views.
+    """
+    validate_inputs(validate_gqa(q, k, v), k, v, causal, scale)
+    if window is not None:
+        window = bm.validate_window(window)
+    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    if block_mask is not None and not isinstance(block_mask, bm.BlockMask):
+        raise TypeError(f"block_mask must be a course_lib.blockmask.BlockMask, got {type(block_mask).__name__}")
+    if block_mask is not None:
+        block_m, block_n = block_mask.block_size
+    else:
+        block_m, block_n = masked.tile_sizes(d, q.dtype)
+    len_q = len_k = None
+    if seq_lens is not None:
+        if q.dim() != 4:
+            raise ValueError(f"seq_lens needs q, k, v of shape (B, H, N, d), got q {tuple(q.shape)}")
+        lq, lk = seq_lens if isinstance(seq_lens, (tuple, list)) else (seq_lens, seq_lens)
+        len_q = _validate_lengths("seq_lens" if lq is lk else "seq_lens_q", lq, batch, n_q, q.device)
+        len_k = _validate_lengths("seq_lens" if lq is lk else "seq_lens_k", lk, batch, n_k, q.device)
+    lo, hi = bm.window_band(window, n_q if len_q is None else len_q.long(),
+                            n_k if len_k is None else len_k.long(), causal)
+    classes = bm.band_tile_classes(n_q, n_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q, len_k=len_k,
+                                   device=q.device)
+    mask_kw = {}
+    if block_mask is not None:
+        if (block_mask.n_q, block_mask.n_k) != (n_q, n_k):
+            raise ValueError(f"block_mask was built for n_q={block_mask.n_q}, n_k={block_mask.n_k}; the inputs "
+                             f"have N_q={n_q}, N_k={n_k} (tile counts {block_mask.shape[-2:]} do not match)")
+        b_m, h_m = block_mask.shape[:2]
+        if b_m not in (1, batch) or h_m not in (1, heads):
+            raise ValueError(f"block_mask has leading dims ({b_m}, {h_m}); expected (1 or B={batch}, "
+                             f"1 or H={heads})")
+        if block_mask.device != q.device:
+            raise ValueError(f"block_mask is on {block_mask.device}, the inputs on {q.device}: use "
+                             f"block_mask.to(device)")
+        classes = bm.combine_classes(block_mask.classes, classes)
+        mask_kw = dict(mask=block_mask.mask, document_ids=block_mask.document_ids)
+    plan = masked.MaskPlan(
+        block_mask=bm.BlockMask(classes, n_q, n_k, block_m, block_n, **mask_kw), causal=causal,
+        window=window, len_q=len_q, len_k=len_k,
+        start_q=None if len_q is None else torch.zeros_like(len_q),
+        start_k=None if len_k is None else torch.zeros_like(len_k))
+    scale = default_scale(d) if scale is None else float(scale)
+    return q4, k4, v4, scale, plan
+
+
+class MaskedAttentionFunction(torch.autograd.Function):
+    """Autograd glue of the masked kernels, on ``(B, H, N, d)`` views and a ``MaskPlan``."""
+
+    @staticmethod
+    def forward(ctx, q4, k4, v4, scale: float, plan):
+        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+        ctx.save_for_backward(q4, k4, v4, o4, lse)
+        ctx.scale, ctx.plan = scale, plan
+        return o4
+
+    @staticmethod
+    def backward(ctx, do):
+        q4, k4, v4, o4, lse = ctx.saved_tensors
+        dq, dk, dv = masked.masked_backward(do, q4, k4, v4, o4, lse, ctx.scale, ctx.plan)
+        return dq, dk, dv, None, None
+
+
+def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, device):
+    if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (B + 1,), got {type(cu).__name__} "
+                        f"{getattr(cu, 'dtype', '')}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must have shape (B + 1,) with B >= 1, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(x < 0 for x in lengths):
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total} (the sequence lengths must sum to "
+                         f"it), got {values[-1]}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
+        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lengths)})")
+    cu32 = cu.to(torch.int32)
+    return cu32[:-1].contiguous(), (cu32[1:] - cu32[:-1]).contiguous()
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                           causal: bool = False, scale: float | None = None, window=None,
+                           return_lse: bool = False):
+    """Attention over a packed batch of variable-length sequences, as FlashAttention-2's
+    ``flash_attn_varlen_func``; forward and backward.
+
+    Args:
+        q: ``(total_q, H, d)``: the sequences' queries one after another; k, v:
+            ``(total_k, H_kv, d)`` (``H_kv`` dividing ``H``: GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int tensors, ``0 = c_0 <= c_1 <= ... = total``:
+            sequence ``b`` is rows ``c_b .. c_{b+1} - 1``.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (sets the grid).
+        causal: FlashAttention-2's convention, bottom-right aligned per sequence: query ``i`` of a
+            sequence of ``n_q`` queries and ``n_k`` keys sees keys ``j <= i + n_k - n_q``.
+        scale: default ``1/sqrt(d)``.
+        window: ``(left, right)``, FlashAttention-2's sliding window, per sequence (see
+            :func:`flash_attention`).
+        return_lse: also return the log-sum-exp ``(H, total_q)`` float32 (forward only then).
+
+    Returns:
+        ``o`` ``(total_q, H, d)`` in q's dtype (a view of a ``(H, total_q, d)`` buffer), or
+        ``(o, lse)``. Tokens attend only within their own sequence; a query that sees no key gets
+        ``o = 0`` (``lse = -inf``).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be packed as (total, heads, d), got shape {tuple(x.shape)}")
+    q4, k4, v4 = (x.permute(1, 0, 2)[None] for x in (q, k, v))  # (1, H, total, d) views
+    validate_inputs(validate_gqa(q4, k4, v4), k4, v4, causal, scale)
+    if window is not None:
+        window = bm.validate_window(window)
+    start_q, len_q = _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q",
+                                          max_seqlen_q, q.device)
+    start_k, len_k = _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k",
+                                          max_seqlen_k, q.device)
+    if len_q.shape != len_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{len_q.numel()} and {len_k.numel()}")
+    d = q.shape[-1]
+    block_m, block_n = masked.tile_sizes(d, q.dtype)
+    lo, hi = bm.window_band(window, len_q.long(), len_k.long(), causal, bottom_right_causal=True)
+    classes = bm.band_tile_classes(max_seqlen_q, max_seqlen_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q,
+                                   len_k=len_k, device=q.device)
+    plan = masked.MaskPlan(
+        block_mask=bm.BlockMask(classes, max_seqlen_q, max_seqlen_k, block_m, block_n), causal=causal,
+        causal_bottom_right=True, window=window, len_q=len_q, len_k=len_k, start_q=start_q, start_k=start_k,
+        varlen=True, num_samples=len_q.numel())
+    scale = default_scale(d) if scale is None else float(scale)
+    if return_lse:
+        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+        return o4[0].permute(1, 0, 2), lse[0]
+    return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan)[0].permute(1, 0, 2)
