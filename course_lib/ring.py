@@ -202,6 +202,19 @@ def block_plan(q_chunks, kv_chunks, causal: bool, q_lengths=None, kv_lengths=Non
                      slice(kv_rows[cols[0]].start, kv_rows[cols[-1]].stop), False)
 
 
+def shard_chunk_lengths(lengths, layout: str = "contiguous") -> list[list[int]]:
+    """The lengths of the chunks inside each rank's shard, from the shard lengths.
+
+    Contiguous: one chunk per shard. Zig-zag: two equal halves (shard lengths must be even).
+    """
+    if _check_layout(layout) == "contiguous":
+        return [[int(n)] for n in lengths]
+    if any(n % 2 for n in lengths):
+        raise ValueError(f"zigzag shards hold two equal chunks: every length must be even, "
+                         f"got {list(lengths)}")
+    return [[int(n) // 2] * 2 for n in lengths]
+
+
 def ring_source(rank: int, step: int, world: int) -> int:
     """Whose K/V shard rank ``rank`` holds at step ``step``: ``(rank - step) mod world``."""
     return (rank - step) % world
@@ -387,9 +400,7 @@ def _setup(q, k, v, causal, scale, group, layout) -> _Ring:
             raise ValueError(f"layout 'zigzag' needs shards of one even length on every rank "
                              f"(two equal chunks each), got shard lengths {lengths}; use "
                              f"layout='contiguous' for ragged shards")
-        chunk_lengths = [[n // 2, n // 2] for n in lengths]
-    else:
-        chunk_lengths = [[n] for n in lengths]
+    chunk_lengths = shard_chunk_lengths(lengths, layout)
     lead = _as4d_shape(q.shape)
     shapes = [(lead[0], lead[1], n, q.shape[-1]) for n in lengths]
     return _Ring(group, rank, world, layout, chunks, chunk_lengths, shapes)
