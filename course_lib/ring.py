@@ -674,7 +674,42 @@ def run_case(case: RingCase, group=None, device: str = "cpu") -> CaseResult:
     return CaseResult(o.detach().cpu(), lse.detach().cpu(), grads, trace)
 
 
-def cases_worker(rank: int, world: int, cases) -> list:
+def torch_context_parallel(q, k, v, causal: bool, device_type: str = "cpu"):
+    """PyTorch's own ring: ``scaled_dot_product_attention`` inside
+    ``torch.distributed.tensor.experimental.context_parallel`` over all ranks of the default group.
+
+    ``q, k, v`` are the *whole* sequence ``(B, H, N, d)`` on every rank; the context manager
+    shards them in place (its own load-balanced order for causal) and SDPA runs its ring.
+    Returns this rank's output shard (in PyTorch's order). On CPU with gloo (torch 2.13) it
+    raises: the CPU flash-attention operator has no sharding rule, and the math backend mixes
+    DTensors with plain tensors.
+    """
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    q, k, v = (x.detach().clone() for x in (q, k, v))  # it resizes its buffers in place
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def context_parallel_status(rank: int, world: int, case: RingCase | None = None) -> str:
+    """For :func:`run_ranks`: try :func:`torch_context_parallel` on ``case`` and say what
+    happened, in one line (``"ran"`` or the error's type and first line)."""
+    case = case or RingCase((TOKENS_FOR_STATUS,) * world, causal=True, backward=False)
+    q, k, v, _ = case.inputs()
+    try:
+        torch_context_parallel(q, k, v, case.causal)
+        return "ran"
+    except Exception as err:  # noqa: BLE001 - the report is the point
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+TOKENS_FOR_STATUS = 8
+
+
+def cases_worker(rank: int, world: int, cases, try_context_parallel: bool = False) -> list:
     """For :func:`run_ranks`: run every case on a subgroup of its size (ranks ``0 … W-1``).
 
     Subgroups let one set of processes try several world sizes. A case that raises a
@@ -693,6 +728,8 @@ def cases_worker(rank: int, world: int, cases) -> list:
             results.append(run_case(case, groups[case.world]))
         except (ValueError, RuntimeError, TypeError) as err:
             results.append(CaseResult(error=f"{type(err).__name__}: {err}"))
+    if try_context_parallel:
+        results.append(context_parallel_status(rank, world))
     return results
 
 
@@ -705,6 +742,16 @@ def run_cases(cases, world: int | None = None, **kwargs) -> list[list]:
     world = world or max(c.world for c in cases)
     per_rank = run_ranks(cases_worker, world, cases, **kwargs)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
+
+
+def run_cases_and_context_parallel(cases, world: int | None = None, **kwargs):
+    """:func:`run_cases`, and in the same processes an attempt at PyTorch's context_parallel
+    (:func:`context_parallel_status`): ``(results, status of rank 0)``."""
+    cases = list(cases)
+    world = world or max(c.world for c in cases)
+    per_rank = run_ranks(cases_worker, world, cases, True, **kwargs)
+    results = [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
+    return results, per_rank[0][-1]
 
 
 def reference(case: RingCase):
