@@ -888,10 +888,119 @@ def _chapter_09() -> list:
     ]
 
 
+# ---------------------------------------------------------------- 11: ring attention
+
+def _chapter_11() -> list:
+    from course_lib import ring  # imports torch: only when chapter 11's questions are built
+
+    n_local, heads, d, world = 8192, 32, 128, 8
+    bf16 = costmodel.bytes_per_element("bfloat16")
+    kv_mib = ring.step_bytes(1, heads, n_local, d, bf16)["kv"] / MIB
+    gpu = hardware.get_gpu("H100 SXM")
+    flops = gpu.peak_flops("bfloat16") / 2
+    threshold = ring.hide_threshold(flops, ring.NVLINK_H100_BYTES_PER_S, bf16)
+    contiguous = ring.ring_efficiency(ring.causal_work(world, "contiguous", n=64 * world))
+    return [
+        _move_answer(1, MultipleChoice(
+            f"A ring of {world} ranks: every step each rank sends the K/V shard it holds to rank "
+            f"r + 1. Whose shard does rank 5 hold at step 3?",
+            choices=(
+                "Rank 2's: after s hops rank r holds rank (r − s) mod W's shard",
+                "Rank 0's: (5 + 3) mod 8",
+                "Rank 3's: the step number",
+                "Its own: ranks keep their K/V and send their queries instead",
+            ),
+            answer=0,
+            explanations=(
+                "Each hop moves a shard from r − 1 to r, so after 3 hops rank 5 holds what rank "
+                "5 − 3 = 2 started with.",
+                "That is the shard travelling the other way; in this ring rank r receives from "
+                "r − 1, so the source is r − s.",
+                "The step counts hops, not ranks: only rank 3 at step 0 (or rank r at step r − 3) "
+                "holds rank 3's shard.",
+                "Sending queries instead would work too (and some systems do), but this ring keeps "
+                "each rank's queries and output in place and moves K and V.",
+            ),
+        )),
+        Numeric(
+            f"Each rank holds {n_local:,} tokens of a sequence; {heads} heads of dim {d} in "
+            f"bfloat16. How many MiB does one rank send per forward step?",
+            answer=kv_mib, unit="MiB",
+            explanation=f"K and V: 2 × {heads} heads × {n_local:,} tokens × {d} × {bf16} bytes "
+                        f"= {kv_mib:g} MiB, against 4 × {heads} × {n_local:,}² × {d} FLOPs of "
+                        f"compute: bytes grow like n, FLOPs like n².",
+            hint="The shard in flight is K and V of this rank's tokens: 2 × heads × tokens × d × "
+                 "bytes per element, then divide by 2²⁰.",
+            wrong_answers=(
+                WrongAnswer(kv_mib / 2, "That is K or V alone; both travel."),
+                WrongAnswer(kv_mib * 2, "That counts 4 bytes per element; bfloat16 has 2."),
+            ),
+        ),
+        Numeric(
+            f"An {gpu.name} runs attention at half its bf16 peak ({flops / 1e12:.0f} TFLOP/s) and "
+            f"sends over NVLink at {ring.NVLINK_H100_BYTES_PER_S / 1e9:.0f} GB/s each way. Above how "
+            f"many tokens per rank does a forward step's compute outlast its K/V transfer?",
+            answer=threshold, unit="tokens",
+            explanation=f"Per head, compute 4·n²·d / F against transfer 2·n·d·2 bytes / BW: equal "
+                        f"at n = F / BW = {threshold:,.0f} tokens. Above it the next shard arrives "
+                        f"before the current block is done, so the transfer is hidden.",
+            hint="Set 4·n²·d / FLOPs-per-second equal to 2·n·d·(2 bytes) / bytes-per-second and "
+                 "solve for n.",
+            wrong_answers=(
+                WrongAnswer(threshold * 2, "That uses the full peak; the question says half of it."),
+                WrongAnswer(threshold / 2, "That counts K or V only, or 1 byte per element."),
+            ),
+        ),
+        _move_answer(2, MultipleChoice(
+            f"With a causal mask and {world} ranks holding contiguous shards, the ring runs at "
+            f"about {contiguous:.0%} efficiency. Why, and what does the zig-zag split change?",
+            choices=(
+                "Early ranks see few keys and idle each step; zig-zag gives each an early and a late chunk",
+                "The last rank sends more bytes; zig-zag sends fewer",
+                "The causal mask makes the merge slower; zig-zag skips the merge",
+                "Contiguous shards need more steps than zig-zag shards",
+            ),
+            answer=0,
+            explanations=(
+                "Rank 0's queries see only its own keys, the last rank's see all of them; each step "
+                "waits for the busiest rank. Chunks r and 2W − 1 − r give every rank the same "
+                "number of visible pairs.",
+                "Every rank sends its shard's K/V each step whatever the mask; the imbalance is in "
+                "compute, not bytes.",
+                "The merge costs the same per row; what differs is how many pairs each rank "
+                "computes.",
+                "Both take W steps: every rank must see every shard once (or skip it).",
+            ),
+        )),
+        _move_answer(3, MultipleChoice(
+            "In the backward ring, what does each rank need to compute its share of the gradient "
+            "of a K/V block it holds?",
+            choices=(
+                "Its q, o, dO and the lse of the merged output over all keys",
+                "The lse of that block alone, recomputed",
+                "The other ranks' queries",
+                "The full N × N probability matrix, gathered once",
+            ),
+            answer=0,
+            explanations=(
+                "P = exp(S − lse) with the global lse is that block's slice of the true softmax, "
+                "and D = rowsum(dO ∘ O) uses the merged o: chapter 07's kernels then give exactly "
+                "this block's contribution to dQ, dK and dV.",
+                "A block's own lse would renormalise its probabilities as if it held all the keys: "
+                "the gradients would be wrong.",
+                "No: the dK/dV accumulators travel with the K/V shard and each rank adds its own "
+                "queries' share.",
+                "That is what FlashAttention avoids: probabilities are rebuilt tile by tile from the "
+                "lse.",
+            ),
+        )),
+    ]
+
+
 _BUILDERS: dict[str, Callable[[], list]] = {
     "01": _chapter_01, "02": _chapter_02, "03": _chapter_03, "04": _chapter_04,
     "05": _chapter_05, "06": _chapter_06, "07": _chapter_07, "08": _chapter_08,
-    "09": _chapter_09,
+    "09": _chapter_09, "11": _chapter_11,
 }
 CHAPTERS = tuple(_BUILDERS)  # "01" … "09"
 
