@@ -997,10 +997,97 @@ def _chapter_11() -> list:
     ]
 
 
+# ---------------------------------------------------------------- 10: masks as tile rules
+
+def _chapter_10() -> list:
+    from course_lib import masks  # noqa: PLC0415 - only this chapter's questions need it
+
+    n, window, block = 65_536, 4096, 128
+    counts = masks.tile_counts(masks.sliding_window_tile_classes(n, n, window, block, block))
+    visited_pct = 100 * (counts["partial"] + counts["full"]) / counts["total"]
+    lengths, n_max = (900, 200, 4096), 4096
+    padded_tiles = len(lengths) * iomodel.num_blocks(n_max, block) ** 2
+    packed_tiles = sum(iomodel.num_blocks(n_b, block) ** 2 for n_b in lengths)
+    saved = padded_tiles / packed_tiles
+    return [
+        Numeric(
+            f"A sliding window of W = {window:,} over N = {n:,} tokens, tiles of {block} × "
+            f"{block}. What percentage of the (Q tile, K/V tile) pairs does a kernel that visits "
+            f"only the non-empty tiles compute?",
+            answer=visited_pct, unit="%",
+            explanation=f"Each Q tile visits about W / BLOCK_N + 1 = {window // block + 1} K/V "
+                        f"tiles of the {n // block} in its row: {counts['partial'] + counts['full']:,} "
+                        f"of {counts['total']:,} tiles, {visited_pct:.1f}%. Its time is that "
+                        f"fraction of dense attention's, whatever the partial tiles cost extra.",
+            hint="Count the tiles in the band of one Q tile, about W / BLOCK_N + 1, and divide by "
+                 "the tiles of a row, N / BLOCK_N.",
+            wrong_answers=(
+                WrongAnswer(100 - visited_pct, "That is the share of tiles skipped, not "
+                                               "computed."),
+                WrongAnswer(50.0, "That is causal attention; the window skips every tile older "
+                                  "than W too."),
+            ),
+        ),
+        _move_answer(1, MultipleChoice(
+            "Why does the kernel apply the element mask on partial tiles only?",
+            choices=(
+                "On a full tile every entry is visible: masking changes nothing, it only costs time",
+                "Full tiles do not need the online softmax",
+                "Applying the mask on a full tile would give wrong results",
+                "Triton cannot load a mask inside a loop",
+            ),
+            answer=0,
+            explanations=(
+                "Right: a full tile's mask is all True. Skipping it saves the mask's work (a load "
+                "or index arithmetic, and a select per score) on most tiles.",
+                "Every visited tile goes through the same online-softmax update.",
+                "It would give the same result, only slower: masking a full tile hides nothing.",
+                "It can: the partial tiles load it inside the loop.",
+            ),
+        )),
+        Numeric(
+            f"A batch of sequences of {', '.join(map(str, lengths))} tokens, non-causal, tiles of "
+            f"{block}. Padded to {n_max:,}, how many times more tiles does a kernel compute than "
+            f"a varlen kernel on the packed batch?",
+            answer=saved, unit="×",
+            explanation=f"Padded: {len(lengths)} × {iomodel.num_blocks(n_max, block)}² = "
+                        f"{padded_tiles:,} tiles. Packed, each sequence only its own: "
+                        f"{' + '.join(f'{iomodel.num_blocks(x, block)}²' for x in lengths)} = "
+                        f"{packed_tiles:,}: {saved:.2f}× fewer. A padded kernel that knows each "
+                        f"sample's length skips the same tiles.",
+            hint="Count ceil(n / 128)² tiles per sequence, with n its own length or the padded "
+                 "one.",
+            wrong_answers=(
+                WrongAnswer(len(lengths) * n_max / sum(lengths),
+                            "That is the ratio of tokens; attention's work grows with the square "
+                            "of each sequence's length."),
+            ),
+        ),
+        _move_answer(2, MultipleChoice(
+            "With GQA (H query heads, H_kv K/V heads), what is dK for one K/V head?",
+            choices=(
+                "The sum of the dK of the H / H_kv query heads that read it",
+                "The dK of the first query head of its group",
+                "The mean of the group's dK",
+                "Zero: K/V heads are shared, so they get no gradient",
+            ),
+            answer=0,
+            explanations=(
+                "Right: the K/V head is used by every query head of its group, so its gradient "
+                "adds up the contributions of all of them (as for any tensor used more than once).",
+                "Every query head of the group used this K, so every one contributes.",
+                "A mean would divide by the group size: the forward used K that many times, each "
+                "use adds its full gradient.",
+                "Shared parameters get the sum of the gradients of their uses, not zero.",
+            ),
+        )),
+    ]
+
+
 _BUILDERS: dict[str, Callable[[], list]] = {
     "01": _chapter_01, "02": _chapter_02, "03": _chapter_03, "04": _chapter_04,
     "05": _chapter_05, "06": _chapter_06, "07": _chapter_07, "08": _chapter_08,
-    "09": _chapter_09, "11": _chapter_11,
+    "09": _chapter_09, "10": _chapter_10, "11": _chapter_11,
 }
 CHAPTERS = tuple(_BUILDERS)  # "01" … "09"
 
