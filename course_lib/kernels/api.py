@@ -30,7 +30,8 @@ causal kernels above run exactly as before:
   queries/keys; padding rows get ``o = 0``; the window is aligned per sample;
 - ``block_mask``: a :class:`course_lib.blockmask.BlockMask` (block-sparse, documents, any
   ``mask_mod``); the kernels run with its tile sizes;
-- GQA/MQA by shape: ``k``, ``v`` ``(..., H_kv, N_k, d)`` with ``H_kv`` dividing q's ``H``
+- GQA/MQA by shape, for ``(B, H, N, d)`` inputs (4 or more dims): ``k``, ``v``
+  ``(B, H_kv, N_k, d)`` with ``H_kv`` dividing q's ``H``
   (SDPA's ``enable_gqa``): query head ``h`` reads K/V head ``h // (H // H_kv)``.
 
 :func:`flash_attention_varlen` takes FlashAttention-2's packed layout. A query row that sees no
@@ -184,8 +185,8 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
     """FlashAttention (Triton), forward and backward: ``softmax(scale · q kᵀ [+ mask]) v``.
 
     Args:
-        q: ``(..., N_q, d)``; k, v: ``(..., N_k, d)``; same leading dims, dtype and device (k, v
-            may have fewer heads, ``H_kv`` dividing ``H``: GQA/MQA).
+        q: ``(..., N_q, d)``; k, v: ``(..., N_k, d)``; same leading dims, dtype and device (for
+            ``(B, H, N, d)`` inputs, k and v may have fewer heads, ``H_kv`` dividing ``H``: GQA/MQA).
         causal: top-left aligned causal mask, as SDPA's ``is_causal``.
         scale: score scale; default ``1/sqrt(d)``.
         window, seq_lens, block_mask: keyword-only masks (see the module docstring), served by
@@ -241,20 +242,21 @@ def _uses_masks(q, k, window, seq_lens, block_mask) -> bool:
     """True when a chapter 10 argument is used (a mask, lengths, or fewer K/V heads than Q heads)."""
     if window is not None or seq_lens is not None or block_mask is not None:
         return True
-    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 3
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 4
             and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and k.shape[:-3] == q.shape[:-3])
 
 
 def validate_gqa(q, k, v) -> None:
-    """q ``(..., H, N_q, d)``, k and v ``(..., H_kv, N_k, d)`` with ``H_kv`` dividing ``H``; then every
-    other check of :func:`validate_inputs` (run on q's first ``H_kv`` heads)."""
+    """q ``(B, H, N_q, d)`` (or more leading dims), k and v ``(B, H_kv, N_k, d)`` with ``H_kv`` dividing
+    ``H``; returns q's first ``H_kv`` heads, for :func:`validate_inputs` to check the rest. (A 3-D
+    input is ``(B, N, d)``: its first dim is the batch, never heads.)"""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"k and v must have the same leading dims (..., H_kv), got k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3]:
+    if q.dim() >= 4 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3]:
         heads, kv_heads = q.shape[-3], k.shape[-3]
         if k.shape[:-3] != q.shape[:-3]:
             raise ValueError(f"q, k and v must have the same leading dims before the heads, got q "
