@@ -578,9 +578,12 @@ def ring_attention(q, k, v, causal: bool = False, scale: float | None = None, *,
 # Launching ranks from a notebook or a test: processes, gloo, a file store
 # ----------------------------------------------------------------------------------------------
 
-def _rank_main(rank, world, store_dir, fn, args, timeout_s):
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, 'store')}",
+def _rank_main(rank, world, store_dir, fn, args, timeout_s, backend="gloo"):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
+    else:
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -591,8 +594,9 @@ def _rank_main(rank, world, store_dir, fn, args, timeout_s):
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
-              start_method: str = "spawn") -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` new processes joined by a gloo process group.
+              start_method: str = "spawn", backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes joined by a process group
+    (``backend`` ``"gloo"`` on CPU; ``"nccl"``: rank r on GPU r).
 
     The group meets through a file in a fresh temporary folder (no port to collide with another
     run). ``fn`` must be importable by name (a module-level function of a module, not a
@@ -604,7 +608,8 @@ def run_ranks(fn, world: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
 
     _check_world(world)
     with tempfile.TemporaryDirectory(prefix="ring_") as store_dir:
-        mp.start_processes(_rank_main, args=(world, store_dir, fn, args, timeout_s), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, store_dir, fn, args, timeout_s, backend),
+                           nprocs=world,
                            join=True, start_method=start_method)
         return [torch.load(os.path.join(store_dir, f"result_{r}.pt"), weights_only=False)
                 for r in range(world)]
