@@ -506,9 +506,11 @@ CU_LAYOUT = Layout((0,), (4,))
 def _varlen_cases(device) -> list[Case]:
     gen = torch.Generator().manual_seed(10_2)
     # (lengths, H, H_kv, d, dtype index, scale, layouts of q, k, v)
-    specs = [((21, 7, 35), 6, 3, 16, 0, None, (PACKED_GAPS, HEADS_OUTER, COLUMNS_STRIDED)),
-             ((9, 40, 16), 6, 2, 16, 0, 0.3, (HEADS_OUTER, COLUMNS_STRIDED, PACKED_GAPS)),
-             ((33, 5), 2, 1, 32, 1, None, (COLUMNS_STRIDED, PACKED_GAPS, HEADS_OUTER))]
+    # 1. groups of 2 (H=6, H_kv=3: h // H_kv and h % H_kv stay in range but read the wrong
+    #    head); 2. MHA, a sample longer than two tiles; 3. MQA, float16, d=32
+    specs = [((13, 5, 20), 6, 3, 16, 0, None, (PACKED_GAPS, HEADS_OUTER, COLUMNS_STRIDED)),
+             ((9, 35, 16), 2, 2, 16, 0, 0.3, (HEADS_OUTER, COLUMNS_STRIDED, PACKED_GAPS)),
+             ((20, 5), 2, 1, 32, 1, None, (COLUMNS_STRIDED, PACKED_GAPS, HEADS_OUTER))]
     cases = []
     for lengths, heads, kv_heads, d, i, scale, layouts in specs:
         total = sum(lengths)
@@ -783,7 +785,7 @@ def _block_sparse_cases(device) -> list[Case]:
          (HEADS_INTERLEAVED, ROWS_WITH_GAPS, SPARE_HEAD)),
         # a block-sparse layout, non-causal: every visited tile full, the last K/V tile ragged
         ("block-sparse local + global layout, N_q=48, N_k=40",
-         masks.block_sparse_mask(local_global, 48, 40, 16, 16), 2, 16, 0, 0.4, (16, 16), 1.0,
+         masks.block_sparse_mask(local_global, 48, 40, 16, 16), 1, 16, 0, 0.4, (16, 16), 1.0,
          (ROWS_WITH_GAPS, SPARE_HEAD, HEADS_INTERLEAVED)),
         # a sliding window with scores in the hundreds, BLOCK_N ≠ BLOCK_M
         ("sliding window W=20, N=45", masks.sliding_window_mask(45, 45, 20), 1, 32, 0, None,
