@@ -113,13 +113,16 @@ class BlockMask:
             tiles only (True = visible);
         document_ids: optional ``(doc_q, doc_k)``, int tensors ``(B or 1, n_q)`` and
             ``(B or 1, n_k)``: on PARTIAL tiles query ``i`` sees key ``j`` only when their ids agree.
+        causal, window, seq_lens: element rules computed from indices on PARTIAL tiles, with the
+            meaning of :func:`course_lib.kernels.api.flash_attention`'s arguments of the same names
+            (the builders below set them); the API applies them as if they had been passed to it.
 
-    Without ``mask`` or ``document_ids``, the PARTIAL tiles get only the element rules the caller
-    adds (causal, window, lengths) and the bound of the keys.
+    The element mask of a PARTIAL tile is the AND of all the rules given and the bound of the keys;
+    a BlockMask with none of them makes every key of a PARTIAL tile visible.
     """
 
     def __init__(self, classes, n_q: int, n_k: int, block_m: int, block_n: int, *, mask=None,
-                 document_ids=None):
+                 document_ids=None, causal: bool = False, window=None, seq_lens=None):
         self.n_q, self.n_k = _int("n_q", n_q), _int("n_k", n_k)
         self.block_m, self.block_n = _tile_size("block_m", block_m), _tile_size("block_n", block_n)
         if not isinstance(classes, torch.Tensor):
@@ -147,6 +150,11 @@ class BlockMask:
                                  f"(B or 1, n_k={self.n_k}), got {tuple(doc_q.shape)} and {tuple(doc_k.shape)}")
             document_ids = (doc_q.to(torch.int32).contiguous(), doc_k.to(torch.int32).contiguous())
         self.document_ids = document_ids
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
+        self.causal = causal
+        self.window = None if window is None else validate_window(window)
+        self.seq_lens = None if seq_lens is None else tuple(seq_lens)
         self.full_kv_num_blocks, self.full_kv_indices = _lists(self.classes, FULL)
         self.kv_num_blocks, self.kv_indices = _lists(self.classes, PARTIAL)
         transposed = self.classes.transpose(-1, -2)
@@ -185,8 +193,10 @@ class BlockMask:
 
     def to(self, device) -> "BlockMask":
         doc = None if self.document_ids is None else tuple(x.to(device) for x in self.document_ids)
+        lens = None if self.seq_lens is None else tuple(x.to(device) for x in self.seq_lens)
         return BlockMask(self.classes.to(device), self.n_q, self.n_k, self.block_m, self.block_n,
-                         mask=None if self.mask is None else self.mask.to(device), document_ids=doc)
+                         mask=None if self.mask is None else self.mask.to(device), document_ids=doc,
+                         causal=self.causal, window=self.window, seq_lens=lens)
 
     # -- builders ----------------------------------------------------------------------------------
 
@@ -317,7 +327,7 @@ def causal_block_mask(n_q: int, n_k: int, block_m: int, block_n: int, device=Non
     """Causal, top-left aligned (query ``i`` sees keys ``j <= i``, as SDPA's ``is_causal``)."""
     n_q, n_k = _int("n_q", n_q), _int("n_k", n_k)
     return BlockMask(band_tile_classes(n_q, n_k, block_m, block_n, hi=0, device=device),
-                     n_q, n_k, block_m, block_n)
+                     n_q, n_k, block_m, block_n, causal=True)
 
 
 def sliding_window_block_mask(n_q: int, n_k: int, window, block_m: int, block_n: int,
@@ -328,7 +338,7 @@ def sliding_window_block_mask(n_q: int, n_k: int, window, block_m: int, block_n:
     n_q, n_k = _int("n_q", n_q), _int("n_k", n_k)
     lo, hi = window_band(window, n_q, n_k, causal)
     return BlockMask(band_tile_classes(n_q, n_k, block_m, block_n, lo=lo, hi=hi, device=device),
-                     n_q, n_k, block_m, block_n)
+                     n_q, n_k, block_m, block_n, causal=causal, window=window)
 
 
 def length_block_mask(seq_lens_q, seq_lens_k, n_q: int, n_k: int, block_m: int, block_n: int,
@@ -339,7 +349,7 @@ def length_block_mask(seq_lens_q, seq_lens_k, n_q: int, n_k: int, block_m: int, 
     n_q, n_k = _int("n_q", n_q), _int("n_k", n_k)
     classes = band_tile_classes(n_q, n_k, block_m, block_n, hi=0 if causal else None, len_q=seq_lens_q,
                                 len_k=seq_lens_k, device=seq_lens_q.device)
-    return BlockMask(classes, n_q, n_k, block_m, block_n)
+    return BlockMask(classes, n_q, n_k, block_m, block_n, causal=causal, seq_lens=(seq_lens_q, seq_lens_k))
 
 
 def _check_document_ids(name: str, ids) -> torch.Tensor:
@@ -396,7 +406,7 @@ def document_block_mask(document_ids, block_m: int, block_n: int, document_ids_k
     if causal:
         classes = combine_classes(classes, band_tile_classes(n_q, n_k, block_m, block_n, hi=0,
                                                              device=doc_q.device))
-    return BlockMask(classes, n_q, n_k, block_m, block_n, document_ids=(doc_q, doc_k))
+    return BlockMask(classes, n_q, n_k, block_m, block_n, document_ids=(doc_q, doc_k), causal=causal)
 
 
 # ----------------------------------------------------------------------------------------------

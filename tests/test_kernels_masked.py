@@ -188,6 +188,25 @@ def test_block_mask_with_window_and_seq_lens():
           mask.mask & element_mask(64, 64, True, (9, 0), lens, lens, batch=2))
 
 
+def test_builder_block_masks_carry_their_element_rules():
+    """causal_block_mask & co. store their rule: the kernel applies it on partial tiles without the
+    caller repeating ``causal=`` / ``window=`` / ``seq_lens=``."""
+    from course_lib import flash_attention
+
+    lens = torch.tensor([50, 21])
+    q, k, v = leaves([(2, 1, 50, 16)] * 3, seed=12)
+    for block, mask in ((bm.causal_block_mask(50, 50, 16, 32), element_mask(50, 50, True)),
+                        (bm.sliding_window_block_mask(50, 50, (6, 3), 16, 32, causal=True),
+                         element_mask(50, 50, True, (6, 3))),
+                        (bm.length_block_mask(lens, lens, 50, 50, 16, 32), element_mask(50, 50, False, None, lens, lens, 2))):
+        o = flash_attention(q, k, v, block_mask=block)
+        assert rel_err(o, reference(q, k, v, mask)[0]) < 1e-5
+    with pytest.raises(ValueError, match="window is given twice"):
+        flash_attention(q, k, v, window=(1, 1), block_mask=bm.sliding_window_block_mask(50, 50, (6, 3), 16, 32))
+    with pytest.raises(ValueError, match="seq_lens is given twice"):
+        flash_attention(q, k, v, seq_lens=lens, block_mask=bm.length_block_mask(lens, lens, 50, 50, 16, 32))
+
+
 # ----------------------------------------------------------------------------------------------
 # GQA / MQA, empty rows, lse, the dense path untouched
 

@@ -297,7 +297,24 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
     if block_mask is not None and not isinstance(block_mask, bm.BlockMask):
         raise TypeError(f"block_mask must be a course_lib.blockmask.BlockMask, got {type(block_mask).__name__}")
     if block_mask is not None:
+        if (block_mask.n_q, block_mask.n_k) != (n_q, n_k):
+            raise ValueError(f"block_mask was built for n_q={block_mask.n_q}, n_k={block_mask.n_k}; the inputs "
+                             f"have N_q={n_q}, N_k={n_k} (tile counts {block_mask.shape[-2:]} do not match)")
+        b_m, h_m = block_mask.shape[:2]
+        if b_m not in (1, batch) or h_m not in (1, heads):
+            raise ValueError(f"block_mask has leading dims ({b_m}, {h_m}); expected (1 or B={batch}, "
+                             f"1 or H={heads})")
+        if block_mask.device != q.device:
+            raise ValueError(f"block_mask is on {block_mask.device}, the inputs on {q.device}: use "
+                             f"block_mask.to(device)")
         block_m, block_n = block_mask.block_size
+        # the element rules a builder stored in the block mask count as if passed here
+        causal = causal or block_mask.causal
+        for name, mine, theirs in (("window", window, block_mask.window), ("seq_lens", seq_lens, block_mask.seq_lens)):
+            if mine is not None and theirs is not None:
+                raise ValueError(f"{name} is given twice: as an argument and inside block_mask; give it once")
+        window = window if window is not None else block_mask.window
+        seq_lens = seq_lens if seq_lens is not None else block_mask.seq_lens
     else:
         block_m, block_n = masked.tile_sizes(d, q.dtype)
     len_q = len_k = None
@@ -313,16 +330,6 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
                                    device=q.device)
     mask_kw = {}
     if block_mask is not None:
-        if (block_mask.n_q, block_mask.n_k) != (n_q, n_k):
-            raise ValueError(f"block_mask was built for n_q={block_mask.n_q}, n_k={block_mask.n_k}; the inputs "
-                             f"have N_q={n_q}, N_k={n_k} (tile counts {block_mask.shape[-2:]} do not match)")
-        b_m, h_m = block_mask.shape[:2]
-        if b_m not in (1, batch) or h_m not in (1, heads):
-            raise ValueError(f"block_mask has leading dims ({b_m}, {h_m}); expected (1 or B={batch}, "
-                             f"1 or H={heads})")
-        if block_mask.device != q.device:
-            raise ValueError(f"block_mask is on {block_mask.device}, the inputs on {q.device}: use "
-                             f"block_mask.to(device)")
         classes = bm.combine_classes(block_mask.classes, classes)
         mask_kw = dict(mask=block_mask.mask, document_ids=block_mask.document_ids)
     plan = masked.MaskPlan(
