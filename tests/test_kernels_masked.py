@@ -448,3 +448,22 @@ def test_gpu_masks_half_precision(dtype, d):
     o = flash_attention_varlen(pq, pk, pv, cq.cuda(), ck.cuda(), 1000, 1000, causal=True)
     ref, _ = reference(pq.transpose(0, 1)[None], pk.transpose(0, 1)[None], pv.transpose(0, 1)[None], mask.cuda())
     assert rel_err(o, ref[0].transpose(0, 1)) < TOL[dtype]
+
+
+def test_plans_are_built_once_per_shape(monkeypatch):
+    """Repeated calls with the same shapes and arguments reuse their tile lists (no host work)."""
+    from course_lib.kernels import api
+
+    built = []
+    real = api._mask_plan
+    monkeypatch.setattr(api, "_mask_plan", lambda *a: built.append(a) or real(*a))
+    q, k, v = leaves([(1, 2, 33, 16), (1, 1, 33, 16), (1, 1, 33, 16)], seed=13)
+    block = bm.document_block_mask(torch.tensor([0] * 10 + [1] * 23), 16, 16)
+    for _ in range(2):
+        api.flash_attention(q, k, v, window=(4, 4))
+        api.flash_attention(q, k, v, block_mask=block)
+    assert len(built) == 2
+    api.flash_attention(q, k, v, window=(4, 5))
+    api.flash_attention(q, k, v, seq_lens=torch.tensor([20]))  # lengths: planned on every call
+    api.flash_attention(q, k, v, seq_lens=torch.tensor([20]))
+    assert len(built) == 5

@@ -317,6 +317,31 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
         seq_lens = seq_lens if seq_lens is not None else block_mask.seq_lens
     else:
         block_m, block_n = masked.tile_sizes(d, q.dtype)
+    scale = default_scale(d) if scale is None else float(scale)
+    if seq_lens is not None:  # lengths are data: checked and planned on every call
+        return q4, k4, v4, scale, _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window,
+                                             seq_lens, block_mask)
+    # Without lengths the plan depends on shapes and arguments only: keep it (in the block mask,
+    # whose tensors are read-only by contract, or in a small module cache), so that repeated calls
+    # build no tile lists and make no host-device copies.
+    key = (batch, heads, n_q, n_k, block_m, block_n, causal, window, str(q.device))
+    cache = _PLAN_CACHE if block_mask is None else block_mask.__dict__.setdefault("_plans", {})
+    plan = cache.get(key)
+    if plan is None:
+        if len(cache) >= _PLAN_CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        plan = cache[key] = _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, None,
+                                       block_mask)
+    return q4, k4, v4, scale, plan
+
+
+_PLAN_CACHE: dict = {}
+_PLAN_CACHE_SIZE = 64
+
+
+def _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, seq_lens, block_mask):
+    """The :class:`~course_lib.kernels.masked.MaskPlan` of a checked call: the tile classes of the
+    band (causal, window, lengths) intersected with the block mask's, and the element rules."""
     len_q = len_k = None
     if seq_lens is not None:
         if q.dim() != 4:
@@ -332,13 +357,11 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
     if block_mask is not None:
         classes = bm.combine_classes(block_mask.classes, classes)
         mask_kw = dict(mask=block_mask.mask, document_ids=block_mask.document_ids)
-    plan = masked.MaskPlan(
+    return masked.MaskPlan(
         block_mask=bm.BlockMask(classes, n_q, n_k, block_m, block_n, **mask_kw), causal=causal,
         window=window, len_q=len_q, len_k=len_k,
         start_q=None if len_q is None else torch.zeros_like(len_q),
         start_k=None if len_k is None else torch.zeros_like(len_k))
-    scale = default_scale(d) if scale is None else float(scale)
-    return q4, k4, v4, scale, plan
 
 
 class MaskedAttentionFunction(torch.autograd.Function):
