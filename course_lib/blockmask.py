@@ -37,7 +37,7 @@ Builders:
 
 The mask functions :func:`causal_mask_mod`, :func:`sliding_window_mask_mod`,
 :func:`document_mask_mod`, :func:`length_mask_mod` are FlexAttention-style predicates for the same
-patterns (``tools/bench_masks.py`` hands them to FlexAttention too).
+patterns (FlexAttention's ``create_block_mask`` takes them as they are).
 """
 
 from __future__ import annotations

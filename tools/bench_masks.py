@@ -17,8 +17,9 @@ it times forward and forward+backward (median of ``triton.testing.do_bench``) of
 - ``course_dense``  the dense/causal kernels of chapters 06-09 (``full`` and ``causal`` only): the
   yardstick for "time proportional to the visited tiles";
 - ``course_varlen`` ``course_lib.flash_attention_varlen`` on the packed documents (``documents``);
-- ``flex``          ``torch.compile(flex_attention)`` with ``create_block_mask`` of the same
-  ``mask_mod`` (:mod:`course_lib.blockmask`'s mask functions), 128x128 blocks;
+- ``flex``          ``torch.compile(flex_attention)`` with ``create_block_mask`` of the same mask as
+  a ``mask_mod`` (the predicate of each pattern), 128x128 blocks; compiled with dynamic shapes,
+  once per mask kind and dtype (``--flex-static`` compiles per N);
 - ``fa2_varlen``    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen, in torch
   since 2.10) on packed sequences: each batch element one sequence (full, causal, windows), or
   the documents as sequences. Where this torch lacks it, or lacks the window argument, the rows
@@ -60,6 +61,27 @@ DEFAULT_OUT = ROOT / "course_lib" / "data" / "benchmarks" / "h100_masks.json"
 
 
 # ----------------------------------------------------------------------------------------------
+# FlexAttention's mask functions: one function object per kind, its parameters in tensors, so that
+# torch.compile traces each kind once per dtype (a new Python closure per window width or layout
+# would recompile flex_attention for every cell, and compiling dominates this benchmark's time).
+
+_PARAMS: dict = {}  # kind -> parameter tensor, set by Pattern before each cell
+
+
+def _window_mod(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < _PARAMS["window"])
+
+
+def _document_mod(b, h, q_idx, kv_idx):
+    doc = _PARAMS["documents"]
+    return doc[q_idx] == doc[kv_idx]
+
+
+def _random_mod(b, h, q_idx, kv_idx):
+    return _PARAMS["random"][q_idx // FLEX_BLOCK, kv_idx // FLEX_BLOCK]
+
+
+# ----------------------------------------------------------------------------------------------
 # The patterns: one object knows its mask for every implementation
 
 
@@ -77,7 +99,7 @@ class Pattern:
         self.device = device
         gen = torch.Generator().manual_seed(seed)
         block_m, block_n = masked.tile_sizes(D, torch.float16)
-        self.course_kwargs, self.mask_mod, self.varlen = {}, None, None
+        self.course_kwargs, self.mask_mod, self.mask_param, self.varlen = {}, None, None, None
         self.dense_kwargs = None  # the chapter 06-09 kernels' call, for full and causal
         lens = None  # sequence lengths of the FA2 varlen packing (None: not comparable)
         if kind == "full":
@@ -96,7 +118,7 @@ class Pattern:
         elif kind == "window":
             w = int(param * n)
             self.course_kwargs = dict(causal=True, window=(w - 1, 0))
-            self.mask_mod = bm.and_masks(bm.causal_mask_mod, bm.sliding_window_mask_mod((w - 1, 0), n, n))
+            self.mask_mod, self.mask_param = _window_mod, torch.tensor(w, device=device)
             self.visible = sum(min(i + 1, w) for i in range(n))
             lens, self.fa2_window = [n] * batch, (w - 1, 0)
         elif kind == "documents":
@@ -104,7 +126,7 @@ class Pattern:
             doc_lens = [b - a for a, b in zip([0] + cuts, cuts + [n])]
             ids = torch.repeat_interleave(torch.arange(param), torch.tensor(doc_lens))
             self.course_kwargs = dict(block_mask=bm.document_block_mask(ids.to(device), block_m, block_n))
-            self.mask_mod = bm.document_mask_mod(ids.to(device))
+            self.mask_mod, self.mask_param = _document_mod, ids.to(device)
             self.visible = sum(x * x for x in doc_lens)
             lens, self.fa2_window = doc_lens * batch, (-1, -1)
         elif kind == "random":
@@ -115,8 +137,7 @@ class Pattern:
             fine = layout.repeat_interleave(FLEX_BLOCK // block_m, 0).repeat_interleave(FLEX_BLOCK // block_n, 1)
             self.course_kwargs = dict(block_mask=bm.BlockMask.from_layout(
                 fine[:math.ceil(n / block_m), :math.ceil(n / block_n)], n, n, block_m, block_n).to(device))
-            layout_dev = layout.to(device)
-            self.mask_mod = lambda b, h, q_idx, kv_idx: layout_dev[q_idx // FLEX_BLOCK, kv_idx // FLEX_BLOCK]
+            self.mask_mod, self.mask_param = _random_mod, layout.to(device)
             self.visible = int(layout.sum()) * FLEX_BLOCK * FLEX_BLOCK  # n is a multiple of 128 here
         else:
             raise ValueError(f"unknown pattern {kind!r}")
@@ -154,18 +175,27 @@ class Pattern:
 # Implementations: each returns a callable (q, k, v) -> o on (B, H, N, d) tensors, or raises
 
 
-def _flex_fn(pattern):
+_FLEX = {}
+
+
+def _flex_fn(pattern, dynamic: bool):
+    """``torch.compile(flex_attention)`` with the pattern's block mask (``create_block_mask`` of
+    its mask function, 128x128 blocks). ``dynamic``: compile with symbolic sizes, once for every
+    N (the default, to keep compiling under the time budget)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    global _FLEX
-    if "_FLEX" not in globals():
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+    if dynamic not in _FLEX:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
     block_mask = None
     if pattern.mask_mod is not None:
+        if pattern.mask_param is not None:
+            _PARAMS[pattern.kind] = pattern.mask_param
         block_mask = create_block_mask(pattern.mask_mod, None, None, pattern.n, pattern.n,
-                                       device=pattern.device, BLOCK_SIZE=FLEX_BLOCK, _compile=True)
-    return lambda q, k, v: _FLEX(q, k, v, block_mask=block_mask)
+                                       device=pattern.device, BLOCK_SIZE=FLEX_BLOCK)
+    fn = _FLEX[dynamic]
+    return lambda q, k, v: fn(q, k, v, block_mask=block_mask)
 
 
 def _fa2_varlen_fn(pattern):
@@ -194,7 +224,7 @@ def _fa2_varlen_fn(pattern):
     return run
 
 
-def _attention_fn(impl, pattern):
+def _attention_fn(impl, pattern, flex_dynamic=True):
     from course_lib import flash_attention, flash_attention_varlen
 
     if impl == "course":
@@ -214,7 +244,7 @@ def _attention_fn(impl, pattern):
 
         return run
     if impl == "flex":
-        return _flex_fn(pattern)
+        return _flex_fn(pattern, flex_dynamic)
     if impl == "fa2_varlen":
         return _fa2_varlen_fn(pattern)
     raise ValueError(impl)
@@ -226,7 +256,7 @@ APPLIES = {"course": lambda p: True, "course_dense": lambda p: p.dense_kwargs is
            "fa2_varlen": lambda p: p.varlen is not None}
 
 
-def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms):
+def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True):
     """One row, or None (printed: why) if the implementation cannot run this cell."""
     import torch
     import triton
@@ -240,7 +270,7 @@ def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms):
     do = torch.randn(shape, device="cuda", dtype=torch_dtype, generator=gen)
     do_packed = do.transpose(1, 2).reshape(-1, pattern.heads, D)  # the varlen functions' (B·N, H, d)
     try:
-        fn = _attention_fn(impl, pattern)
+        fn = _attention_fn(impl, pattern, flex_dynamic)
         if needs_grad:
             def step():
                 o = fn(q, k, v)
@@ -350,6 +380,8 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=430.0,
                    help="stop starting new cells after this many seconds (default 430: the whole run stays "
                         "under 8 minutes)")
+    p.add_argument("--flex-static", action="store_true",
+                   help="compile flex_attention for each N (dynamic=False): slower to compile")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
 
@@ -366,7 +398,8 @@ def main(argv=None) -> dict:
     warmup_ms, rep_ms = (10, 40) if args.quick else (15, 60)
     meta = machine_meta()
     meta.update(tool="tools/bench_masks.py", argv=" ".join(argv if argv is not None else sys.argv[1:]),
-                head_dim=D, tokens="batch*N = 16k", model_dim="heads*d = 2048")
+                head_dim=D, tokens="batch*N = 16k", model_dim="heads*d = 2048",
+                flex=f"torch.compile(flex_attention, dynamic={not args.flex_static}), BLOCK_SIZE={FLEX_BLOCK}")
     data = {"meta": meta, "rows": [], "skipped": []}
     start = time.perf_counter()
 
@@ -386,7 +419,8 @@ def main(argv=None) -> dict:
                         if time.perf_counter() - start > args.budget_s:
                             data["skipped"].append(f"{impl} {dtype} N={n} {pattern.label()} {pass_}")
                             continue
-                        row = measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms)
+                        row = measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms,
+                                      flex_dynamic=not args.flex_static)
                         if row:
                             data["rows"].append(row)
                             print(f"  {impl:13s} {dtype} N={n:6d} {pattern.label():24s} {pass_:7s} "
