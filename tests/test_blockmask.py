@@ -179,7 +179,8 @@ def test_named_errors():
     with pytest.raises(TypeError, match="classes must be an integer tensor"):
         bm.BlockMask(torch.zeros(3, 3), 48, 48, 16, 16)
     with pytest.raises(ValueError, match="mask must be a boolean"):
-        bm.BlockMask(torch.zeros(3, 3, dtype=torch.int8), 48, 48, 16, 16, mask=torch.ones(1, 1, 48, 40, dtype=torch.bool))
+        bm.BlockMask(torch.zeros(3, 3, dtype=torch.int8), 48, 48, 16, 16,
+                     mask=torch.ones(1, 1, 48, 40, dtype=torch.bool))
     with pytest.raises(ValueError, match="document_ids must be"):
         bm.BlockMask(torch.zeros(3, 3, dtype=torch.int8), 48, 48, 16, 16,
                      document_ids=(torch.zeros(1, 48), torch.zeros(1, 47)))
@@ -188,7 +189,8 @@ def test_named_errors():
     with pytest.raises(TypeError, match="document_ids must be an integer tensor"):
         bm.document_block_mask(torch.zeros(4), 16, 16)
     with pytest.raises(ValueError, match="document_ids_k must have shape"):
-        bm.document_block_mask(torch.zeros(4, dtype=torch.int64), 16, 16, document_ids_k=torch.zeros(1, 1, 4, dtype=torch.int64))
+        bm.document_block_mask(torch.zeros(4, dtype=torch.int64), 16, 16,
+                               document_ids_k=torch.zeros(1, 1, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="window sizes must be >= -1"):
         bm.sliding_window_block_mask(32, 32, (-2, 0), 16, 16)
     with pytest.raises(TypeError, match="window must be a pair"):

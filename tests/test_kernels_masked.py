@@ -198,7 +198,8 @@ def test_builder_block_masks_carry_their_element_rules():
     for block, mask in ((bm.causal_block_mask(50, 50, 16, 32), element_mask(50, 50, True)),
                         (bm.sliding_window_block_mask(50, 50, (6, 3), 16, 32, causal=True),
                          element_mask(50, 50, True, (6, 3))),
-                        (bm.length_block_mask(lens, lens, 50, 50, 16, 32), element_mask(50, 50, False, None, lens, lens, 2))):
+                        (bm.length_block_mask(lens, lens, 50, 50, 16, 32),
+                         element_mask(50, 50, False, None, lens, lens, 2))):
         o = flash_attention(q, k, v, block_mask=block)
         assert rel_err(o, reference(q, k, v, mask)[0]) < 1e-5
     with pytest.raises(ValueError, match="window is given twice"):

@@ -288,7 +288,7 @@ def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True):
               f"({str(err).splitlines()[0][:100] if str(err) else type(err).__name__})")
         return None
     finally:
-        del q, k, v, do, do_packed
+        q = k = v = do = do_packed = None  # free the inputs before the next cell
         torch.cuda.empty_cache()
     work = flops(pattern.batch, pattern.heads, pattern.n, D, False, pass_) * pattern.density
     return {"impl": impl, "dtype": dtype, "d": D, "N": pattern.n, "batch": pattern.batch, "heads": pattern.heads,

@@ -171,8 +171,10 @@ def masked_forward_kernel(
     q_ptrs = (Q + b * stride_qb + h * stride_qh + (start_q + offs_m)[:, None] * stride_qn
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_real[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
-    k_base = K + b * stride_kb + h_kv * stride_kh + (start_k + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_base = V + b * stride_vb + h_kv * stride_vh + (start_k + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_base = (K + b * stride_kb + h_kv * stride_kh + (start_k + offs_n)[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd)
+    v_base = (V + b * stride_vb + h_kv * stride_vh + (start_k + offs_n)[:, None] * stride_vn
+              + offs_d[None, :] * stride_vd)
     doc_q = offs_m[:, None]  # placeholders when DOCS is off
     if DOCS:
         doc_q = tl.load(DOC_Q + b * stride_docq + offs_m, mask=row_real, other=-1)[:, None]
@@ -339,8 +341,10 @@ def masked_dq_kernel(
     lse = tl.load(LSE + stats, mask=row_real, other=float("-inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)  # empty rows: P = 0
     delta = tl.load(DELTA + stats, mask=row_real, other=0.0)
-    k_base = K + b * stride_kb + h_kv * stride_kh + (start_k + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_base = V + b * stride_vb + h_kv * stride_vh + (start_k + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_base = (K + b * stride_kb + h_kv * stride_kh + (start_k + offs_n)[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd)
+    v_base = (V + b * stride_vb + h_kv * stride_vh + (start_k + offs_n)[:, None] * stride_vn
+              + offs_d[None, :] * stride_vd)
     doc_q = offs_m[:, None]
     if DOCS:
         doc_q = tl.load(DOC_Q + b * stride_docq + offs_m, mask=row_real, other=-1)[:, None]
