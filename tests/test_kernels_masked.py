@@ -221,6 +221,16 @@ def test_gqa(kv_heads, small_tiles):
           element_mask(45, 50, True, (7, 7)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision(dtype, small_tiles):
+    """fp16 and bf16 inputs (bf16 is computed in fp32 by the interpreter, rounded back)."""
+    from course_lib import flash_attention
+
+    q, k, v = leaves([(1, 2, 40, 16), (1, 1, 40, 16), (1, 1, 40, 16)], dtype=dtype, seed=14)
+    check(lambda q, k, v: flash_attention(q, k, v, causal=True, window=(9, 0)), q, k, v,
+          element_mask(40, 40, True, (9, 0)))
+
+
 def test_gqa_without_mask_matches_sdpa():
     """GQA alone routes to the masked kernels (dense tiles); SDPA's enable_gqa is the reference."""
     from course_lib import flash_attention
@@ -431,6 +441,7 @@ def test_named_errors():
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_masks_half_precision(dtype, d):
     from course_lib import flash_attention, flash_attention_varlen
+    from course_lib.kernels import masked
 
     n = 1000  # ragged against every tile size
     q, k, v = leaves([(2, 8, n, d), (2, 2, n, d), (2, 2, n, d)], dtype=dtype, seed=d)
@@ -440,7 +451,7 @@ def test_gpu_masks_half_precision(dtype, d):
             (dict(seq_lens=lens), element_mask(n, n, False, None, lens.cpu(), lens.cpu(), batch=2))):
         check(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v, mask)
     docs = torch.sort(torch.randint(0, 6, (2, n), generator=torch.Generator().manual_seed(0)), dim=-1).values
-    block = bm.document_block_mask(docs, *__import__("course_lib.kernels.masked", fromlist=["x"]).tile_sizes(d, dtype))
+    block = bm.document_block_mask(docs, *masked.tile_sizes(d, dtype))
     check(lambda q, k, v: flash_attention(q, k, v, causal=True, block_mask=block.to(q.device)), q, k, v,
           (docs[:, :, None] == docs[:, None, :])[:, None] & element_mask(n, n, True))
     lens_q = [300, 1000, 1, 555]
