@@ -219,3 +219,48 @@ def balance_point(gpu, dtype="float16") -> float:
     """
     spec = get_gpu(gpu)
     return spec.peak_flops(dtype) / spec.bandwidth_bytes_per_s
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute capabilities the Triton kernels are compiled for (course_lib.reach, kernels/fit.py)
+
+
+@dataclass(frozen=True)
+class ComputeTarget:
+    """What a compiled kernel may use on GPUs of one compute capability.
+
+    Fields:
+        capability: (major, minor), e.g. (8, 6); arch: Triton's target number (86).
+        examples: GPUs of that capability.
+        max_shared_kib_per_block: the most shared memory one block may ask for (opt-in), KiB:
+            what Triton checks at the first launch ("out of resource: shared memory").
+        fp8_dots: the tensor cores multiply fp8 (e4m3/e5m2) operands (Ada and Hopper).
+        tma: the Tensor Memory Accelerator behind Triton's tensor descriptors (Hopper).
+    """
+
+    capability: tuple[int, int]
+    examples: str
+    max_shared_kib_per_block: int
+    fp8_dots: bool
+    tma: bool
+
+    @property
+    def arch(self) -> int:
+        return 10 * self.capability[0] + self.capability[1]
+
+    @property
+    def max_shared_bytes_per_block(self) -> int:
+        return self.max_shared_kib_per_block * KIB
+
+
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": maximum shared
+# memory per thread block 163 KB (8.0), 99 KB (8.6, 8.9), 227 KB (9.0); each is its SM's shared
+# memory (max_shared_kib_per_sm above) less the 1 KiB the system keeps per block.
+COMPUTE_TARGETS = {
+    t.arch: t for t in [
+        ComputeTarget((8, 0), "A100", 163, fp8_dots=False, tma=False),
+        ComputeTarget((8, 6), "A10, A40, RTX 3090, RTX A6000", 99, fp8_dots=False, tma=False),
+        ComputeTarget((8, 9), "L4, L40S, RTX 4090", 99, fp8_dots=True, tma=False),
+        ComputeTarget((9, 0), "H100, H200", 227, fp8_dots=True, tma=True),
+    ]
+}

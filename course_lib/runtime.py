@@ -44,6 +44,7 @@ class Runtime:
     gpu_name: str | None
     versions: dict = field(default_factory=dict)
     sizes: dict = field(default_factory=dict)
+    forced_by: str | None = None  # "COURSE_LIB_MODE=cpu" or "setup(force=...)" when not detected
 
     @property
     def on_gpu(self) -> bool:
@@ -59,6 +60,9 @@ class Runtime:
         versions = f"torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
         if self.on_gpu:
             return f"GPU mode: Triton kernels run natively on {self.gpu_name} · {versions}"
+        if self.forced_by:
+            return (f"CPU mode ({self.forced_by}): Triton runs in its interpreter on CPU tensors "
+                    f"(small sizes) · {versions}")
         if self.gpu_name:  # a GPU below Triton's supported compute capability
             return (f"CPU mode: {self.gpu_name} is below the compute capability Triton supports "
                     f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}+), so Triton runs "
@@ -93,6 +97,20 @@ def choose_mode(cuda_available: bool, force: str | None = None,
     if cuda_available and capability is not None and tuple(capability) < MIN_COMPUTE_CAPABILITY:
         return INTERPRETER
     return GPU if cuda_available else INTERPRETER
+
+
+# COURSE_LIB_MODE=cpu (or interpreter) / gpu forces a mode for every notebook and script; unset or
+# "auto": decide from the machine.
+MODE_ENV = "COURSE_LIB_MODE"
+_MODE_NAMES = {"cpu": INTERPRETER, "interpreter": INTERPRETER, "gpu": GPU, "auto": None, "": None}
+
+
+def mode_from_environment() -> str | None:
+    """The mode ``COURSE_LIB_MODE`` forces (None: decide from the machine)."""
+    value = os.environ.get(MODE_ENV, "").strip().lower()
+    if value not in _MODE_NAMES:
+        raise ValueError(f"{MODE_ENV} must be 'cpu', 'gpu' or 'auto', got {os.environ[MODE_ENV]!r}")
+    return _MODE_NAMES[value]
 
 
 def _set_interpreter(on: bool) -> None:
@@ -195,7 +213,19 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
 
     cuda = torch.cuda.is_available()
     capability = torch.cuda.get_device_capability() if cuda else None
-    mode = choose_mode(cuda, force, capability)
+    from_env = mode_from_environment()
+    wanted = force if force is not None else from_env
+    try:
+        mode = choose_mode(cuda, wanted, capability)
+    except ValueError as exc:
+        if force is not None:
+            raise
+        raise ValueError(f"{MODE_ENV}={os.environ[MODE_ENV].strip()}: "
+                         + str(exc).replace("force='gpu' but ", "")) from None
+    forced_by = None
+    if wanted is not None and mode != choose_mode(cuda, None, capability):
+        forced_by = (f"setup(force={force!r})" if force is not None
+                     else f"{MODE_ENV}={os.environ[MODE_ENV].strip()}")
     if _RUNTIME is not None and _RUNTIME.mode != mode and _KERNELS_DEFINED:
         raise RuntimeError(
             f"Triton kernels were already defined in {_RUNTIME.mode} mode; restart the kernel "
@@ -207,9 +237,23 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
         gpu_name=torch.cuda.get_device_name() if cuda else None,
         versions=_versions(),
         sizes=dict(_DEFAULT_SIZES[mode]),
+        forced_by=forced_by,
     )
     if verbose:
         print(_RUNTIME.describe())
+    return _RUNTIME
+
+
+def use_stand_in_gpu(name: str) -> Runtime:
+    """GPU mode on a machine without that GPU, for compiling only (``python -m course_lib.reach``):
+    kernels are defined for the compiler, not the interpreter; the caller installs a stand-in
+    driver for the target, and launches do nothing. Call it before any kernel module is imported."""
+    global _RUNTIME
+    if _KERNELS_DEFINED and _RUNTIME is not None and _RUNTIME.mode != GPU:
+        raise RuntimeError("kernels were already defined for the interpreter; use a fresh process")
+    _set_interpreter(False)
+    _RUNTIME = Runtime(mode=GPU, device="cpu", gpu_name=name, versions=_versions(),
+                       sizes=dict(_DEFAULT_SIZES[GPU]))
     return _RUNTIME
 
 

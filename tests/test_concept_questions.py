@@ -133,10 +133,22 @@ def test_ch09_numbers():
     assert numeric("09", "one outlier of 100").answer == pytest.approx(100 / math.sqrt(128))
 
 
+def test_ch10_numbers():
+    assert numeric("10", "sliding window").answer == pytest.approx(
+        100 * (sum(range(1, 33)) + (512 - 32) * 33) / 512**2)
+    assert numeric("10", "Padded to").answer == pytest.approx(3 * 32**2 / (8**2 + 2**2 + 32**2))
+
+
+def test_ch11_numbers():
+    assert numeric("11", "How many MiB").answer == 2 * 32 * 8192 * 128 * 2 / 2**20
+    assert numeric("11", "tokens per rank").answer == pytest.approx((989.4e12 / 2) / 450e9)
+
+
 @pytest.mark.parametrize("chapter", chapter_params())
 def test_every_numeric_answer_is_checked_here(chapter):
     """A new numeric question needs its own independent computation above."""
-    checked = {"01": 3, "02": 2, "03": 1, "04": 2, "05": 1, "06": 2, "07": 2, "08": 2, "09": 2}
+    checked = {"01": 3, "02": 2, "03": 1, "04": 2, "05": 1, "06": 2, "07": 2, "08": 2, "09": 2, "10": 2,
+               "11": 2}
     count = sum(isinstance(q, Numeric) for q in concept_questions.questions(chapter))
     assert count == checked[chapter], (f"chapter {chapter} has {count} numeric questions; "
                                        f"{checked[chapter]} are recomputed in this file")

@@ -131,3 +131,27 @@ def test_setup_on_a_gpu_below_the_floor_uses_the_interpreter(monkeypatch):
     assert calls == [True]
     assert rt.mode == "interpreter" and rt.device == "cpu" and rt.gpu_name == "Tesla T4"
     assert "below the compute capability" in rt.describe()
+
+
+def test_course_lib_mode_forces_cpu_on_a_gpu_and_says_so(monkeypatch):
+    calls = fake_cuda(monkeypatch, "NVIDIA A100", (8, 0))
+    monkeypatch.setenv(runtime.MODE_ENV, "cpu")
+    rt = runtime.setup(verbose=False)
+    assert calls == [True] and rt.mode == runtime.INTERPRETER
+    assert rt.describe().startswith("CPU mode (COURSE_LIB_MODE=cpu): Triton runs in its interpreter")
+
+
+def test_course_lib_mode_gpu_below_the_floor_is_refused_by_name(monkeypatch):
+    fake_cuda(monkeypatch, "Tesla T4", (7, 5))
+    monkeypatch.setenv(runtime.MODE_ENV, "gpu")
+    with pytest.raises(ValueError, match=r"COURSE_LIB_MODE=gpu: this GPU's compute capability 7.5"):
+        runtime.setup(verbose=False)
+
+
+def test_course_lib_mode_must_be_known(monkeypatch):
+    fake_cuda(monkeypatch, "NVIDIA A100", (8, 0))
+    monkeypatch.setenv(runtime.MODE_ENV, "tpu")
+    with pytest.raises(ValueError, match="COURSE_LIB_MODE must be 'cpu', 'gpu' or 'auto', got 'tpu'"):
+        runtime.setup(verbose=False)
+    monkeypatch.setenv(runtime.MODE_ENV, "auto")
+    assert runtime.setup(verbose=False).mode == runtime.GPU

@@ -10,7 +10,7 @@ is_causal=causal, scale=scale)`` without dropout or an explicit mask:
   as SDPA's ``is_causal`` does). Every query row sees at least key 0, so every ``(N_q, N_k)``
   pair is served; rows ``i >= N_k`` simply see all keys;
 - any strides (non-contiguous views are read in place, nothing is copied);
-- dtypes float16, bfloat16, float32 (fp32 uses IEEE fp32 dots, not tf32), and float64 in the
+- dtypes float16, bfloat16, float32 (fp32 keeps fp32 accuracy: three tf32 products per dot, not one), and float64 in the
   interpreter only (for ``torch.autograd.gradcheck``);
 - head dims 16 to 256, any integer in between (non-powers of two are padded inside the kernel);
 - CUDA tensors on a GPU, CPU tensors through Triton's interpreter (whichever

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from course_lib import runtime
-from course_lib.kernels import tiles, tuning
+from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LOG2_E
 
@@ -371,15 +371,17 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     if interpreted:
         dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
         dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
-    elif not tuning.autotune_enabled():  # the measured table (tuning.py says why not autotune)
+    dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), *scalars)
+    dq_args = (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
+    if not interpreted and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
         table = dict(head_dim=meta["HEAD_DIM"], element_size=qw.element_size(), seq_len=max(n_q, n_k),
                      causal=causal)
-        dkdv_blocks = dkdv_blocks or tuning.gpu_default("dkdv", **table)
-        dq_blocks = dq_blocks or tuning.gpu_default("dq", **table)
+        dkdv_blocks = dkdv_blocks or fit.choose(dkdv_kernel, tuning.gpu_candidates("dkdv", **table),
+                                                dkdv_args, meta)
+        dq_blocks = dq_blocks or fit.choose(dq_kernel, tuning.gpu_candidates("dq", **table), dq_args, meta)
     _launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh, dkdv_blocks,
-            (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), *scalars), meta)
-    _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks,
-            (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars), meta)
+            dkdv_args, meta)
+    _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks, dq_args, meta)
     if out is not None:
         for target, grad in zip(out, (dq, dk, dv)):
             if target is not grad:

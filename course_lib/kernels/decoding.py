@@ -43,7 +43,7 @@ import triton.language as tl
 
 from course_lib import constants, runtime
 from course_lib.decoding import num_splits_to_fill
-from course_lib.kernels import tiles
+from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.api import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
 from course_lib.kernels.forward import compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E, MASK_VALUE
@@ -175,7 +175,7 @@ def split_kv_kernel(Q, K, V, M, L, O,
 
 
 def launch_split_kv(kernel, q, k, v, m, l, o, scale: float, block_n: int = DECODE_BLOCK_N,
-                    grouped: bool = False) -> None:
+                    grouped: bool = False, fit_to_gpu: bool = False, shrink_block_n: bool = False) -> None:
     """Launch ``kernel``: :func:`split_kv_kernel` (or a learner's with its signature) on grid
     ``(H, S, B)``, or, with ``grouped``, :func:`split_kv_kernel` with ``GROUPED=True`` on grid
     ``(H_kv, S, B)``.
@@ -184,6 +184,8 @@ def launch_split_kv(kernel, q, k, v, m, l, o, scale: float, block_n: int = DECOD
         q: ``(B, H, n_q, d)``; k, v: ``(B, H_kv, N, d)``; any strides.
         m, l: ``(B, H, S, n_q)`` float32 with the same strides; o: ``(B, H, S, n_q, d)`` float32.
         scale: the score scale. block_n: key rows per tile.
+        fit_to_gpu: on a GPU, let :func:`course_lib.kernels.fit.choose` lower the pipeline depth
+            (and, with ``shrink_block_n``, the key tile) where this GPU's shared memory needs it.
     """
     batch, heads, n_q, d = q.shape
     splits, n_kv_heads = m.shape[2], k.shape[1]
@@ -191,12 +193,18 @@ def launch_split_kv(kernel, q, k, v, m, l, o, scale: float, block_n: int = DECOD
         raise ValueError(f"m and l must have the same strides, got {m.stride()} and {l.stride()}")
     _, precision = kernel_dtypes(q.dtype)
     rows = (heads // n_kv_heads) * n_q if grouped else n_q  # query rows per program
+    args = (q, k, v, m, l, o, *q.stride(), *k.stride(), *v.stride(), *m.stride(), *o.stride(),
+            n_q, k.shape[2], heads, n_kv_heads, scale * constants.LOG2_E)
+    meta = dict(HEAD_DIM=padded_head_dim(d), HEAD_DIM_REAL=d, DOT_PRECISION=precision,
+                **({"GROUPED": True} if grouped else {}))
+    blocks = tuning.Blocks(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), block_n,
+                           tuning.DECODE_WARPS, tuning.DECODE_STAGES)
+    if fit_to_gpu and not _rt.interpreted:
+        blocks = fit.choose(kernel, tuning.decode_candidates(blocks.block_m, block_n, shrink_block_n),
+                            args, meta)
     kernel[(n_kv_heads if grouped else heads, splits, batch)](
-        q, k, v, m, l, o, *q.stride(), *k.stride(), *v.stride(), *m.stride(), *o.stride(),
-        n_q, k.shape[2], heads, n_kv_heads, scale * constants.LOG2_E,
-        BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(rows)), BLOCK_N=block_n,
-        HEAD_DIM=padded_head_dim(d), HEAD_DIM_REAL=d, DOT_PRECISION=precision,
-        **({"GROUPED": True} if grouped else {}))
+        *args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +336,7 @@ def validate_decode_inputs(q, k, v, splits, scale) -> None:
 
 
 def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None = None, *,
-                        block_n: int = DECODE_BLOCK_N, grouped: bool | None = None):
+                        block_n: int | None = None, grouped: bool | None = None):
     """Decoding attention by split-KV in Triton: ``softmax(scale · q kᵀ) v`` over the whole cache.
 
     Args:
@@ -337,7 +345,8 @@ def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None 
         k, v: the cache, ``(B, H_kv, N, d)`` with ``H % H_kv == 0`` (GQA; MQA when ``H_kv = 1``).
         splits: chunks of the cache (programs per query head); None: :func:`choose_splits`.
         scale: score scale; default ``1/sqrt(d)``.
-        block_n: key rows per tile (a power of two >= 16).
+        block_n: key rows per tile (a power of two >= 16); None: :data:`DECODE_BLOCK_N`, or
+            fewer where this GPU's shared memory needs it (:mod:`course_lib.kernels.fit`).
         grouped: one program per K/V head and split (:func:`split_kv_kernel` with ``GROUPED=True``: each
             K/V tile read once per group) or per query head and split (:func:`split_kv_kernel`);
             None: grouped when a group's rows fit one tile (``group · n_q <= MAX_GROUPED_ROWS``).
@@ -347,6 +356,8 @@ def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None 
         natural log.
     """
     validate_decode_inputs(q, k, v, splits, scale)
+    shrink_block_n = block_n is None
+    block_n = DECODE_BLOCK_N if block_n is None else block_n
     if (isinstance(block_n, bool) or not isinstance(block_n, numbers.Integral) or block_n < MIN_BLOCK_M
             or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= {MIN_BLOCK_M}, got {block_n!r}")
@@ -366,7 +377,8 @@ def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None 
     m = torch.empty((batch, heads, splits, n_q), dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     o_part = torch.empty((batch, heads, splits, n_q, d), dtype=torch.float32, device=dev)
-    launch_split_kv(split_kv_kernel, qw, kw, vw, m, l, o_part, scale, block_n, grouped=grouped)
+    launch_split_kv(split_kv_kernel, qw, kw, vw, m, l, o_part, scale, block_n, grouped=grouped,
+                    fit_to_gpu=True, shrink_block_n=shrink_block_n)
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=dev)
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=dev)
     launch_combine(m, l, o_part, o, lse)

@@ -30,12 +30,14 @@ is this kernel without the two-stage loop, the padding and the autotuning.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from course_lib import constants, runtime
-from course_lib.kernels import tiles, tuning
+from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.tiles import LN_2, MASK_VALUE
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -134,17 +136,36 @@ def compute_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
     return dtype
 
 
+# fp32 dot products: "tf32x3" splits each fp32 operand into a tf32 head and a tf32 tail and sums
+# three tensor-core products (head·head + head·tail + tail·head), which keeps fp32's accuracy
+# (measured on an H100 against a float64 reference: NOTES.md, "fp32 dots"). "ieee" (plain fp32
+# FMAs, no tensor cores) gives the same answers, but Triton unrolls every tile product into
+# thousands of FMAs held in registers: it spills, and the first fp32 backward compiled for
+# 80-145 s on an H100. COURSE_LIB_FP32_DOTS=ieee brings it back (for comparisons).
+FP32_DOTS_ENV = "COURSE_LIB_FP32_DOTS"
+FP32_DOT_PRECISIONS = ("tf32x3", "ieee")
+
+
+def fp32_dot_precision() -> str:
+    """The ``input_precision`` of fp32 ``tl.dot``: "tf32x3" unless COURSE_LIB_FP32_DOTS says "ieee"."""
+    value = os.environ.get(FP32_DOTS_ENV, FP32_DOT_PRECISIONS[0])
+    if value not in FP32_DOT_PRECISIONS:
+        raise ValueError(f"{FP32_DOTS_ENV} must be one of {', '.join(FP32_DOT_PRECISIONS)}, got {value!r}")
+    return value
+
+
 def kernel_dtypes(dtype: torch.dtype):
     """(ACC_DTYPE, DOT_PRECISION) for inputs of ``dtype``.
 
     Accumulate in fp32 (fp64 for the interpreter-only float64 used by gradcheck). fp32 inputs
-    use IEEE fp32 dot products, not tf32: fp32 is the "exact" dtype of the course (same answer as
-    the reference to ~1e-6), and the fast dtypes are fp16/bf16. tf32 would be ~3x faster on an
-    H100 but only ~1e-3 accurate. The interpreter ignores the setting (its dots are exact).
+    keep fp32 accuracy (:func:`fp32_dot_precision`): fp32 is the "exact" dtype of the course
+    (same answer as the reference to ~1e-6), and the fast dtypes are fp16/bf16. Plain tf32 would
+    be faster but only ~1e-3 accurate. The interpreter ignores the setting (its dots are exact).
     """
     acc = tl.float64 if dtype == torch.float64 else tl.float32
-    precision = "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
-    return acc, precision
+    if dtype == torch.float64:
+        return acc, "ieee"
+    return acc, fp32_dot_precision() if dtype == torch.float32 else "tf32"
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None):
@@ -175,9 +196,10 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
                 DOT_PRECISION=precision)
     if blocks is None and interpreted:
         blocks = tuning.INTERPRETER_FORWARD
-    elif blocks is None and not tuning.autotune_enabled():  # the measured table (see tuning.py)
-        blocks = tuning.gpu_default("forward", meta["HEAD_DIM"], qw.element_size(),
-                                    seq_len=max(n_q, n_k), causal=causal)
+    elif blocks is None and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
+        blocks = fit.choose(attention_forward_kernel,
+                            tuning.gpu_candidates("forward", meta["HEAD_DIM"], qw.element_size(),
+                                                  seq_len=max(n_q, n_k), causal=causal), args, meta)
     if blocks is not None:
         grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
         attention_forward_kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,

@@ -86,6 +86,53 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
     return Blocks(32, 128, 4, 3) if kernel == "dkdv" else Blocks(128, 32, 4, 3)
 
 
+# Smaller configs to fall back on, in order of preference, when the table's choice does not fit
+# a GPU with less shared memory than an H100 or spills registers there (kernels/fit.py chooses,
+# `python -m course_lib.reach` shows the choice per GPU). Fewer pipeline stages first (same tiles,
+# one K/V tile pair less in flight), then smaller tiles. The owned tile (BLOCK_M of forward and dQ,
+# BLOCK_N of dK/dV) shrinks last: it sets how often K and V (or Q and dO) are re-read.
+_FALLBACKS = {
+    "forward": [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(64, 32, 4, 2), Blocks(64, 32, 4, 1),
+                Blocks(32, 32, 4, 1)],
+    "dkdv": [Blocks(64, 128, 8, 2), Blocks(32, 128, 4, 2), Blocks(32, 64, 4, 3), Blocks(32, 64, 4, 2),
+             Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1)],
+    "dq": [Blocks(128, 64, 8, 2), Blocks(128, 32, 4, 2), Blocks(64, 32, 4, 3), Blocks(64, 32, 4, 2),
+           Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1), Blocks(32, 16, 4, 1)],
+}
+_OWNED = {"forward": "block_m", "dq": "block_m", "dkdv": "block_n"}
+# The tables above were measured on an H100: compute capability 9.0, Triton's target 90.
+TABLE_ARCH = 90
+
+
+def gpu_candidates(kernel: str, head_dim: int, element_size: int, seq_len: int | None = None,
+                   causal: bool = False) -> list[Blocks]:
+    """The configs :func:`course_lib.kernels.fit.choose` tries, in order: the H100 table's
+    (:func:`gpu_default`), then :data:`_FALLBACKS` whose accumulators fit the registers
+    (:data:`MAX_ACC_VALUES_PER_THREAD`) and whose tiles are no larger than the table's."""
+    first = gpu_default(kernel, head_dim, element_size, seq_len, causal)
+    owned = _OWNED[kernel]
+    smaller = [b for b in _FALLBACKS[kernel]
+               if b.block_m <= first.block_m and b.block_n <= first.block_n
+               and acc_values_per_thread(getattr(b, owned), head_dim, b.num_warps) <= MAX_ACC_VALUES_PER_THREAD]
+    return [first] + [b for b in smaller if b != first]
+
+
+# Decoding (kernels/decoding.py): the split kernel's tile is fixed by the query rows it owns and by
+# the caller's block_n; what can give is the pipeline depth and, with the default block_n, the
+# key tile.
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+
+
+def decode_candidates(block_m: int, block_n: int, shrink_block_n: bool) -> list[Blocks]:
+    """The split kernel's configs in order: ``block_n`` with 3, 2, 1 stages; then, when
+    ``shrink_block_n``, halved key tiles down to 16 rows."""
+    tiles = [block_n]
+    while shrink_block_n and tiles[-1] > 16:
+        tiles.append(tiles[-1] // 2)
+    return [Blocks(block_m, n, DECODE_WARPS, stages) for n in tiles for stages in (DECODE_STAGES, 2, 1)]
+
+
 # The descriptor (TMA) forward of chapter 09 on Hopper: where it pays and with which config.
 # Measured on an H100 (NOTES.md, "Chapter 09"): at HEAD_DIM=128 it is 4-15% faster than the
 # pointer kernel (TMA frees the registers that made 128x128 tiles lose with pointer loads); at
