@@ -350,7 +350,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     n_bh = batch * heads
-    acc_dtype, precision = kernel_dtypes(work)
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), ACC_DTYPE=acc_dtype)
 
     delta = torch.empty_like(lse)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D

@@ -191,7 +191,7 @@ def launch_split_kv(kernel, q, k, v, m, l, o, scale: float, block_n: int = DECOD
     splits, n_kv_heads = m.shape[2], k.shape[1]
     if l.stride() != m.stride():
         raise ValueError(f"m and l must have the same strides, got {m.stride()} and {l.stride()}")
-    _, precision = kernel_dtypes(q.dtype)
+    _, precision = kernel_dtypes(q.dtype, padded_head_dim(d))
     rows = (heads // n_kv_heads) * n_q if grouped else n_q  # query rows per program
     args = (q, k, v, m, l, o, *q.stride(), *k.stride(), *v.stride(), *m.stride(), *o.stride(),
             n_q, k.shape[2], heads, n_kv_heads, scale * constants.LOG2_E)

@@ -136,26 +136,32 @@ def compute_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
     return dtype
 
 
-# fp32 dot products: "tf32x3" splits each fp32 operand into a tf32 head and a tf32 tail and sums
-# three tensor-core products (head·head + head·tail + tail·head), which keeps fp32's accuracy
-# (measured on an H100 against a float64 reference: NOTES.md, "fp32 dots"). "ieee" (plain fp32
-# FMAs, no tensor cores) gives the same answers, but Triton unrolls every tile product into
-# thousands of FMAs held in registers: it spills, and the first fp32 backward compiled for
-# 80-145 s on an H100. COURSE_LIB_FP32_DOTS=ieee brings it back (for comparisons).
+# fp32 dot products. "tf32x3" splits each fp32 operand into a tf32 head and a tf32 tail and sums
+# three tensor-core products (head·head + head·tail + tail·head), which keeps fp32's accuracy;
+# "ieee" is plain fp32 FMAs, no tensor cores: Triton unrolls every tile product into thousands of
+# FMAs held in registers, which spill, and the first fp32 backward compiled for 40-145 s on an
+# H100. Measured on an H100 (NOTES.md, "fp32 dots"): at head dims up to 128, tf32x3 gives the same
+# error against a float64 reference (~3e-7) 4x faster, and compiles in 9 s or less per kernel. Above
+# 128 its operands need more shared memory than an H100 has at the table's tiles (384 KiB at
+# d=256), the tiles that fit spill heavily, and the backward ran 80x slower: there the kernels keep
+# "ieee". COURSE_LIB_FP32_DOTS=ieee or =tf32x3 forces one everywhere (for comparisons).
 FP32_DOTS_ENV = "COURSE_LIB_FP32_DOTS"
-FP32_DOT_PRECISIONS = ("tf32x3", "ieee")
+FP32_DOT_PRECISIONS = ("auto", "tf32x3", "ieee")
+TF32X3_MAX_HEAD_DIM = 128
 
 
-def fp32_dot_precision() -> str:
-    """The ``input_precision`` of fp32 ``tl.dot``: "tf32x3" unless COURSE_LIB_FP32_DOTS says "ieee"."""
-    value = os.environ.get(FP32_DOTS_ENV, FP32_DOT_PRECISIONS[0])
+def fp32_dot_precision(head_dim: int | None = None) -> str:
+    """``input_precision`` of fp32 ``tl.dot`` at padded ``head_dim`` (None: a small one)."""
+    value = os.environ.get(FP32_DOTS_ENV, "auto")
     if value not in FP32_DOT_PRECISIONS:
         raise ValueError(f"{FP32_DOTS_ENV} must be one of {', '.join(FP32_DOT_PRECISIONS)}, got {value!r}")
-    return value
+    if value != "auto":
+        return value
+    return "tf32x3" if head_dim is None or head_dim <= TF32X3_MAX_HEAD_DIM else "ieee"
 
 
-def kernel_dtypes(dtype: torch.dtype):
-    """(ACC_DTYPE, DOT_PRECISION) for inputs of ``dtype``.
+def kernel_dtypes(dtype: torch.dtype, head_dim: int | None = None):
+    """(ACC_DTYPE, DOT_PRECISION) for inputs of ``dtype`` at padded ``head_dim``.
 
     Accumulate in fp32 (fp64 for the interpreter-only float64 used by gradcheck). fp32 inputs
     keep fp32 accuracy (:func:`fp32_dot_precision`): fp32 is the "exact" dtype of the course
@@ -165,7 +171,7 @@ def kernel_dtypes(dtype: torch.dtype):
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     if dtype == torch.float64:
         return acc, "ieee"
-    return acc, fp32_dot_precision() if dtype == torch.float32 else "tf32"
+    return acc, fp32_dot_precision(head_dim) if dtype == torch.float32 else "tf32"
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None):
@@ -187,7 +193,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work)
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     lse = torch.empty((batch, heads, n_q), device=q.device,
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(),

@@ -207,7 +207,7 @@ def attention_forward_tma(q, k, v, causal: bool, scale: float, blocks: tuning.Bl
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     batch, heads, n_q, d = q.shape
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work)
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     lse = torch.empty((batch, heads, n_q), device=q.device,
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     if blocks is None:

@@ -575,7 +575,7 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
     bmask = plan.block_mask
     blocks = blocks or launch_blocks(d, q.dtype)["forward"]
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work)
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     lse = torch.empty((batch, heads, n_q), device=q.device,
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -604,7 +604,7 @@ def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
     bmask = plan.block_mask
     configs = launch_blocks(d, q.dtype)
     dq_blocks, dkdv_blocks = dq_blocks or configs["dq"], dkdv_blocks or configs["dkdv"]
-    acc_dtype, precision = kernel_dtypes(work)
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     hd = padded_head_dim(d)
 
     delta = torch.empty_like(lse)  # rowsum(dO ∘ O): chapter 07's preprocess kernel, as it is
