@@ -1,20 +1,24 @@
 """Chapter 10's recorded H100 measurements: masked attention — the course's kernel against
-FlexAttention and FlashAttention-2's varlen function, as the density of visited tiles falls.
+FlexAttention and FlashAttention-2's varlen function, as the density of the mask falls.
 
-The numbers come from one benchmark run on an H100 and live in
-``course_lib/data/benchmarks/h100_masks.json``. This module only reads, checks and shows them,
-so that chapter 10 draws the same plot on a CPU machine. Until the file exists, :func:`recorded`
-returns None and :func:`status` says plainly that nothing is recorded yet.
+The numbers come from one run of ``tools/bench_masks.py`` on an H100 and live in
+``course_lib/data/benchmarks/h100_masks.json``, in that tool's format. This module only reads,
+checks, summarises and plots them, so that chapter 10 shows the same results on a CPU machine.
+When the file is absent, :func:`recorded` returns None and :func:`status` says so.
 
-File format::
+File format (written by ``tools/bench_masks.py``)::
 
     {"meta": {"gpu": ..., "torch": ..., "triton": ..., "date": ..., ...},
-     "rows": [{"impl": "ours" | "flex" | "fa2_varlen", "pattern": "full" | "causal" |
-               "sliding_window" | "document" | "block_sparse" | "random_block",
-               "density": fraction of the (Q tile, K/V tile) pairs visited, in (0, 1],
-               "N": tokens per sequence, "pass": "fwd" | "fwd_bwd", "ms": median time, ...}]}
+     "rows": [{"impl": "course" | "course_dense" | "course_varlen" | "flex" | "fa2_varlen",
+               "dtype": "float16" | "bfloat16", "N": tokens per sequence,
+               "pattern": "full" | "causal" | "window" | "documents" | "random",
+               "label": e.g. "window 20% of N", "param": the pattern's parameter,
+               "density": fraction of the score matrix visible, in (0, 1],
+               "tile_density": fraction of the course's tiles visited, in (0, 1],
+               "pass": "fwd" | "fwd+bwd", "ms": median time, ...}]}
 
-Rows may carry more keys (dtype, d, batch, heads, block sizes); these functions ignore them.
+One *cell* is one (dtype, N, label, pass): the same mask measured by each implementation.
+Rows may carry more keys (d, batch, heads, tflops); these functions ignore them.
 """
 
 from __future__ import annotations
@@ -27,15 +31,21 @@ from course_lib.bench import RECORDED_DIR
 
 RECORDED_FILE = RECORDED_DIR / "h100_masks.json"
 
-IMPLS = {"ours": "the course's kernel", "flex": "FlexAttention (torch.compile)",
-         "fa2_varlen": "FlashAttention-2 varlen"}
-PATTERNS = ("full", "causal", "sliding_window", "document", "block_sparse", "random_block")
-PASSES = ("fwd", "fwd_bwd")
+IMPLS = {"course": "the course's masked kernel",
+         "course_dense": "the course's dense / causal kernel (chapters 06-09)",
+         "course_varlen": "the course's varlen kernel (packed documents)",
+         "flex": "FlexAttention (torch.compile)", "fa2_varlen": "FlashAttention-2 varlen"}
+PATTERNS = ("full", "causal", "window", "documents", "random")
+PASSES = ("fwd", "fwd+bwd")
+PASS_NAMES = {"fwd": "forward", "fwd+bwd": "forward + backward"}
+DTYPES = ("float16", "bfloat16")
+DEFAULT_DTYPE = "float16"
+BASELINES = ("flex", "fa2_varlen")
 META_KEYS = ("gpu", "torch", "triton", "date")
-ROW_KEYS = ("impl", "pattern", "density", "N", "pass", "ms")
+ROW_KEYS = ("impl", "dtype", "N", "pattern", "label", "density", "tile_density", "pass", "ms")
 NOT_RECORDED = ("No H100 results are recorded yet for chapter 10 "
                 "(course_lib/data/benchmarks/h100_masks.json is absent): the plot appears once "
-                "the benchmark has been run on an H100 and its file committed.")
+                "tools/bench_masks.py has been run on an H100 and its file committed.")
 
 
 def validate(data) -> dict:
@@ -49,22 +59,19 @@ def validate(data) -> dict:
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows:
         raise ValueError("data['rows'] must be a non-empty list of measurements")
+    choices = {"impl": tuple(IMPLS), "dtype": DTYPES, "pattern": PATTERNS, "pass": PASSES}
     for i, row in enumerate(rows):
         lacking = [key for key in ROW_KEYS if key not in row]
         if lacking:
             raise ValueError(f"data['rows'][{i}] lacks {', '.join(lacking)}")
-        if row["impl"] not in IMPLS:
-            raise ValueError(f"data['rows'][{i}]['impl'] must be one of {', '.join(IMPLS)}, "
-                             f"got {row['impl']!r}")
-        if row["pattern"] not in PATTERNS:
-            raise ValueError(f"data['rows'][{i}]['pattern'] must be one of "
-                             f"{', '.join(PATTERNS)}, got {row['pattern']!r}")
-        if row["pass"] not in PASSES:
-            raise ValueError(f"data['rows'][{i}]['pass'] must be 'fwd' or 'fwd_bwd', got "
-                             f"{row['pass']!r}")
-        if not 0 < row["density"] <= 1:
-            raise ValueError(f"data['rows'][{i}]['density'] must be in (0, 1], got "
-                             f"{row['density']!r}")
+        for key, allowed in choices.items():
+            if row[key] not in allowed:
+                raise ValueError(f"data['rows'][{i}]['{key}'] must be one of "
+                                 f"{', '.join(allowed)}, got {row[key]!r}")
+        for key in ("density", "tile_density"):
+            if not 0 < row[key] <= 1:
+                raise ValueError(f"data['rows'][{i}]['{key}'] must be in (0, 1], got "
+                                 f"{row[key]!r}")
         if not row["ms"] > 0:
             raise ValueError(f"data['rows'][{i}]['ms'] must be a positive time, got {row['ms']!r}")
     return data
@@ -74,8 +81,8 @@ def load(path: Path | str = RECORDED_FILE) -> dict:
     """The recorded measurements, validated. FileNotFoundError naming ``path`` when absent."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no recorded chapter 10 results at {path}; run the masks "
-                                f"benchmark on an H100")
+        raise FileNotFoundError(f"no recorded chapter 10 results at {path}; run "
+                                f"tools/bench_masks.py on an H100")
     return validate(json.loads(path.read_text()))
 
 
@@ -99,70 +106,145 @@ def status(path: Path | str = RECORDED_FILE) -> str:
     return NOT_RECORDED if data is None else f"recorded on {provenance(data)}"
 
 
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
 def lengths(data: dict) -> list[int]:
     """Every sequence length measured, ascending."""
     return sorted({row["N"] for row in data["rows"]})
 
 
-def series(data: dict, impl: str, n: int, pass_: str = "fwd", pattern: str | None = None):
+def rows_of(data: dict, impl: str, pass_: str = "fwd", dtype: str | None = DEFAULT_DTYPE,
+            n: int | None = None, pattern: str | None = None) -> list[dict]:
+    """The rows of ``impl`` for one pass (and dtype, length, pattern when given; None: all)."""
+    _check_choice("impl", impl, tuple(IMPLS))
+    _check_choice("pass_", pass_, PASSES)
+    return [row for row in data["rows"] if row["impl"] == impl and row["pass"] == pass_
+            and (dtype is None or row["dtype"] == dtype) and (n is None or row["N"] == n)
+            and (pattern is None or row["pattern"] == pattern)]
+
+
+def series(data: dict, impl: str, n: int, pass_: str = "fwd", pattern: str | None = None,
+           dtype: str = DEFAULT_DTYPE) -> list[tuple[float, float]]:
     """``[(density, ms), ...]`` of ``impl`` at length ``n``, by density (one pattern, or all)."""
-    points = [(row["density"], row["ms"]) for row in data["rows"]
-              if row["impl"] == impl and row["N"] == n and row["pass"] == pass_
-              and (pattern is None or row["pattern"] == pattern)]
-    return sorted(points)
+    return sorted((row["density"], row["ms"])
+                  for row in rows_of(data, impl, pass_, dtype, n, pattern))
 
 
-def time_for(data: dict, pattern: str, n: int, pass_: str = "fwd", impl: str = "ours",
-             density: float | None = None) -> dict | None:
-    """The recorded row of ``impl`` for ``pattern`` at length ``n`` (the one whose density is
-    closest to ``density``, when given), or None when that was not measured."""
-    rows = [row for row in data["rows"] if row["impl"] == impl and row["pattern"] == pattern
-            and row["N"] == n and row["pass"] == pass_]
+def time_for(data: dict, pattern: str, n: int, pass_: str = "fwd", impl: str = "course",
+             tile_density: float | None = None, dtype: str = DEFAULT_DTYPE) -> dict | None:
+    """The recorded row of ``impl`` for ``pattern`` at length ``n`` and ``dtype`` (the one whose
+    fraction of visited tiles is closest to ``tile_density``, when given), or None when that was
+    not measured."""
+    _check_choice("pattern", pattern, PATTERNS)
+    rows = rows_of(data, impl, pass_, dtype, n, pattern)
     if not rows:
         return None
-    if density is None:
+    if tile_density is None:
         return rows[0]
-    return min(rows, key=lambda row: abs(row["density"] - density))
+    return min(rows, key=lambda row: abs(row["tile_density"] - tile_density))
 
 
-def speedups(data: dict, pass_: str = "fwd", baseline: str = "flex") -> list[float]:
-    """``baseline time / our time`` on every (pattern, density, N) measured for both."""
-    ours = {(r["pattern"], r["density"], r["N"]): r["ms"] for r in data["rows"]
-            if r["impl"] == "ours" and r["pass"] == pass_}
-    return [r["ms"] / ours[key] for r in data["rows"]
-            if r["impl"] == baseline and r["pass"] == pass_
-            and (key := (r["pattern"], r["density"], r["N"])) in ours]
+def cell(data: dict, impl: str, row: dict) -> dict | None:
+    """The row of ``impl`` measured on the same cell (dtype, N, label, pass) as ``row``."""
+    for other in data["rows"]:
+        if other["impl"] == impl and all(other[key] == row[key]
+                                         for key in ("dtype", "N", "label", "pass")):
+            return other
+    return None
 
 
-def speedup_summary(data: dict, pass_: str = "fwd", baseline: str = "flex") -> dict | None:
-    """Median and minimum of :func:`speedups` (``{"median", "min", "n"}``), None when none."""
-    ratios = speedups(data, pass_, baseline)
+def speedups(data: dict, pass_: str = "fwd", baseline: str = "flex",
+             dtype: str | None = None) -> list[float]:
+    """``baseline time / our time`` on every cell measured by both (both dtypes by default).
+
+    Ours is the masked kernel (``course``); against FA2 varlen it is the faster of ``course`` and
+    ``course_varlen`` on each cell (packed documents are what a varlen kernel is for), as in
+    ``tools/bench_masks.py``'s summary.
+    """
+    _check_choice("baseline", baseline, BASELINES)
+    ours = ("course",) if baseline == "flex" else ("course", "course_varlen")
+    ratios = []
+    for row in rows_of(data, baseline, pass_, dtype):
+        times = [r["ms"] for impl in ours if (r := cell(data, impl, row)) is not None]
+        if times:
+            ratios.append(row["ms"] / min(times))
+    return ratios
+
+
+def speedup_summary(data: dict, pass_: str = "fwd", baseline: str = "flex",
+                    dtype: str | None = None) -> dict | None:
+    """``{"median", "min", "max", "n"}`` of :func:`speedups`, None when no cell has both."""
+    ratios = speedups(data, pass_, baseline, dtype)
     if not ratios:
         return None
-    return {"median": statistics.median(ratios), "min": min(ratios), "n": len(ratios)}
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "n": len(ratios)}
 
 
-def plot_density(data: dict, n: int | None = None, pass_: str = "fwd"):
-    """Time against density at length ``n`` (default: the longest measured): ours and
-    FlexAttention, each point one (pattern, density), and the line "dense time × density" that a
-    kernel whose time is proportional to its visited tiles follows."""
+def proportionality(data: dict, pass_: str = "fwd", dtype: str = DEFAULT_DTYPE,
+                    n: int | None = None) -> list[dict]:
+    """Is the masked kernel's time proportional to the work? For each ``course`` row, its time
+    against two predictions at the same length: *dense time × density* with the chapters 06-09
+    kernel on the full matrix (``course_dense``), and *own full time × density* with the masked
+    kernel itself on the full mask (``course``, pattern ``full``).
+
+    Returns ``[{"N", "label", "density", "ms", "predicted_ms", "ratio", "ratio_own"}, ...]``:
+    ``ratio`` = ms ÷ (dense time × density), ``ratio_own`` = ms ÷ (own full time × density);
+    1.0 is exactly proportional, above 1 slower than the visited work suggests. Rows whose
+    length lacks a full-mask measurement are left out.
+    """
+    out = []
+    for row in rows_of(data, "course", pass_, dtype, n):
+        dense = time_for(data, "full", row["N"], pass_, "course_dense", dtype=dtype)
+        own = time_for(data, "full", row["N"], pass_, "course", dtype=dtype)
+        if dense is None or own is None:
+            continue
+        predicted = dense["ms"] * row["density"]
+        out.append({"N": row["N"], "label": row["label"], "density": row["density"],
+                    "ms": row["ms"], "predicted_ms": predicted, "ratio": row["ms"] / predicted,
+                    "ratio_own": row["ms"] / (own["ms"] * row["density"])})
+    return out
+
+
+def format_proportionality(data: dict, pass_: str = "fwd", dtype: str = DEFAULT_DTYPE,
+                           n: int | None = None) -> str:
+    """:func:`proportionality` as a text table, one line per cell."""
+    lines = [f"{PASS_NAMES[pass_]}, {dtype}: our time against the work it visits",
+             f"{'N':>6} {'pattern':<20} {'density':>7} {'ms':>8} {'dense x dens.':>13} "
+             f"{'ratio':>6} {'ratio to own full x dens.':>26}"]
+    for p in proportionality(data, pass_, dtype, n):
+        lines.append(f"{p['N']:>6} {p['label']:<20} {p['density']:>7.1%} {p['ms']:>8.3f} "
+                     f"{p['predicted_ms']:>13.3f} {p['ratio']:>6.2f} {p['ratio_own']:>26.2f}")
+    return "\n".join(lines)
+
+
+def plot_density(data: dict, n: int | None = None, dtype: str = DEFAULT_DTYPE):
+    """Time against density at length ``n`` (default: the longest measured), forward and
+    forward + backward side by side: ours and FlexAttention, each point one mask, and the line
+    "dense time × density" that a kernel whose time is proportional to its work follows."""
     import matplotlib.pyplot as plt
 
+    _check_choice("dtype", dtype, DTYPES)
     n = max(lengths(data)) if n is None else n
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100, layout="constrained")
-    for impl, marker in (("ours", "o"), ("flex", "s")):
-        points = series(data, impl, n, pass_)
-        if points:
-            ax.plot(*zip(*points), marker=marker, linestyle="none", label=IMPLS[impl])
-    full = time_for(data, "full", n, pass_)
-    if full is not None:
-        ax.plot([0, 1], [0, full["ms"]], "k--", linewidth=1,
-                label="dense time × density (proportional to the visited tiles)")
-    ax.set_xlabel("density (fraction of tiles visited)")
-    ax.set_ylabel("time (ms)")
-    ax.set_xlim(0, 1.05)
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{'forward' if pass_ == 'fwd' else 'forward + backward'}, N = {n:,} "
-                 f"({data['meta']['gpu']})", fontsize=10)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100, layout="constrained")
+    for ax, pass_ in zip(axes, PASSES):
+        for impl, marker, name in (("course", "o", "ours (masked kernel)"),
+                                   ("flex", "s", IMPLS["flex"])):
+            points = series(data, impl, n, pass_, dtype=dtype)
+            if points:
+                ax.plot(*zip(*points), marker=marker, linestyle="none", label=name)
+        dense = time_for(data, "full", n, pass_, "course_dense", dtype=dtype)
+        if dense is not None:
+            ax.plot([0, 1], [0, dense["ms"]], "k--", linewidth=1,
+                    label="dense kernel (ch. 06-09) time × density")
+        ax.set_xlabel("density (fraction of the score matrix visible)")
+        ax.set_ylabel("time (ms)")
+        ax.set_xlim(0, 1.05)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{PASS_NAMES[pass_]}, N = {n:,}, {dtype}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Masked attention, {provenance(data)}", fontsize=10)
     return fig

@@ -9,8 +9,11 @@ The figure shows the ``(T_r, T_c)`` grid of tile classes — skipped (light), pa
 computed with the element mask), full (blue, computed without one). The text line gives the
 counts, the density (visited tiles ÷ all tiles), the forward FLOPs of the visited tiles against
 dense attention (every visited tile costs a full tile's matmuls, partial or not), and the time
-measured on an H100 for that pattern and N when :mod:`course_lib.mask_results` has a recorded
-result (else it says that none is recorded).
+measured on an H100 (``tools/bench_masks.py``, read by :mod:`course_lib.mask_results`): the
+recorded cell of the same pattern kind at the same N in float16 whose fraction of visited tiles
+is closest to the picture's, forward and forward + backward, ours and FlexAttention. When no such
+cell is recorded (block-sparse: local + global is not in the benchmark, nor are N = 1k and 2k)
+it says so.
 
 Tile classes come from indices (as a kernel decides them), never from an ``N × N`` mask, so the
 picker stays fast at N = 32k. Without a browser: set a control's ``value``, then read
@@ -32,12 +35,15 @@ from course_lib.iomodel import num_blocks
 from course_lib.tiled import tile_bounds
 from course_lib.widgets._display import TITLE_FONTSIZE, FigureWidget, control_layout
 
-__all__ = ["TilePatterns", "PATTERNS", "SEQ_LENS", "BLOCKS", "pattern_classes"]
+__all__ = ["TilePatterns", "PATTERNS", "BENCH_PATTERNS", "SEQ_LENS", "BLOCKS", "pattern_classes"]
 
 PATTERNS = (("full (no mask)", "full"), ("causal", "causal"),
             ("sliding window", "sliding_window"), ("document (causal, packed)", "document"),
             ("block-sparse: local + global", "block_sparse"),
             ("random block layout", "random_block"))
+# the benchmark's pattern kind for each of the picker's (None: not benchmarked)
+BENCH_PATTERNS = {"full": "full", "causal": "causal", "sliding_window": "window",
+                  "document": "documents", "block_sparse": None, "random_block": "random"}
 SEQ_LENS = [2**p for p in range(10, 16)]  # 1k … 32k tokens
 BLOCKS = (32, 64, 128)
 HEAD_DIMS = (64, 128)
@@ -106,8 +112,8 @@ class TilePatterns(FigureWidget):
         pattern, seq_len, block, head_dim, window, documents, density: the controls.
         summary: the text (HTML); image: the rendered figure (PNG bytes in ``.value``).
         classes: the current ``(T_r, T_c)`` tile classes; counts: :func:`masks.tile_counts`;
-        flops: ``{"visited": …, "dense": …}`` forward FLOPs; recorded: the H100 row shown, or
-        None. results: the recorded data (None when not recorded).
+        flops: ``{"visited": …, "dense": …}`` forward FLOPs; recorded: the H100 row shown (ours,
+        forward), or None. results: the recorded data (None when not recorded).
     """
 
     def __init__(self, pattern: str = "causal", seq_len: int = 4096, block: int = 128,
@@ -152,9 +158,10 @@ class TilePatterns(FigureWidget):
         self.flops = {"visited": visited * tile_flops, "dense": self.counts["total"] * tile_flops}
         self.density_visited = visited / self.counts["total"]
         self.recorded = None
-        if self.results is not None:
-            self.recorded = mask_results.time_for(self.results, self.pattern.value, n,
-                                                  density=self.density_visited)
+        kind = BENCH_PATTERNS[self.pattern.value]
+        if self.results is not None and kind is not None:
+            self.recorded = mask_results.time_for(self.results, kind, n,
+                                                  tile_density=self.density_visited)
         self.window.layout.display = "" if self.pattern.value == "sliding_window" else "none"
         self.documents.layout.display = "" if self.pattern.value == "document" else "none"
         self.density.layout.display = "" if self.pattern.value == "random_block" else "none"
@@ -184,18 +191,21 @@ class TilePatterns(FigureWidget):
                 f"{f['visited'] / 1e9:,.2f} GFLOP per head against {f['dense'] / 1e9:,.2f} "
                 f"dense ({f['dense'] / max(f['visited'], 1):.1f}× fewer)")
         if self.results is None:
-            text += "<br>measured time: no H100 results are recorded yet for chapter 10"
-        elif self.recorded is None:
-            text += (f"<br>measured time: no H100 result recorded for this pattern at N = "
-                     f"{self.seq_len.value:,}")
-        else:
-            r = self.recorded
-            flex = mask_results.time_for(self.results, r["pattern"], r["N"], r["pass"], "flex",
-                                         r["density"])
-            text += (f"<br>measured on {self.results['meta']['gpu']} (forward, density "
-                     f"{r['density']:.0%}): ours {r['ms']:.3g} ms"
-                     + (f", FlexAttention {flex['ms']:.3g} ms" if flex else ""))
-        return text
+            return text + "<br>measured time: no H100 results are recorded yet for chapter 10"
+        if self.recorded is None:
+            return text + (f"<br>measured time: no H100 result recorded for this pattern at N = "
+                           f"{self.seq_len.value:,}")
+        r = self.recorded
+        times = []
+        for pass_ in mask_results.PASSES:
+            ours = mask_results.cell(self.results, "course", {**r, "pass": pass_})
+            flex = mask_results.cell(self.results, "flex", {**r, "pass": pass_})
+            if ours is not None:
+                times.append(f"{mask_results.PASS_NAMES[pass_]}: ours {ours['ms']:.3g} ms"
+                             + (f", FlexAttention {flex['ms']:.3g} ms" if flex else ""))
+        return text + (f"<br>measured on {self.results['meta']['gpu']}, nearest recorded mask "
+                       f"\"{r['label']}\" ({r['tile_density']:.0%} of the tiles, {r['dtype']}, "
+                       f"d = {r.get('d', '?')}): " + "; ".join(times))
 
     def widget(self):
         left = widgets.VBox([self.pattern, self.seq_len, self.block])
