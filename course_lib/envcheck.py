@@ -9,25 +9,31 @@ from __future__ import annotations
 
 import numpy as np
 
+import torch
+
 from course_lib import runtime
-
-runtime.ensure_configured()  # before the first @triton.jit below
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 SMOKE_SIZE = 1000  # not a multiple of the block, so the tail mask is exercised
 SMOKE_BLOCK = 128
+_KERNEL = []  # the smoke kernel, defined at its first use (triton is absent on macOS/Windows)
 
 
-@triton.jit
-def _axpb_kernel(x_ptr, out_ptr, n, a, b, BLOCK: tl.constexpr):
-    # each program handles BLOCK consecutive elements: read BLOCK, write BLOCK
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
-    tl.store(out_ptr + offs, a * x + b, mask=mask)
+def _smoke_kernel():
+    if not _KERNEL:
+        runtime.ensure_configured()  # before the first @triton.jit
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _axpb_kernel(x_ptr, out_ptr, n, a, b, BLOCK: tl.constexpr):
+            # each program handles BLOCK consecutive elements: read BLOCK, write BLOCK
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask)
+            tl.store(out_ptr + offs, a * x + b, mask=mask)
+
+        _KERNEL.append(_axpb_kernel)
+    return _KERNEL[0]
 
 
 def triton_smoke_test(n: int = SMOKE_SIZE, seed: int = 0) -> float:
@@ -36,12 +42,18 @@ def triton_smoke_test(n: int = SMOKE_SIZE, seed: int = 0) -> float:
     Raises:
         RuntimeError: when the kernel leaves elements unwritten or computes wrong values.
     """
+    if not runtime.triton_installed():
+        raise RuntimeError("triton is not installed (PyPI has no macOS or Windows wheel): the Triton "
+                           "chapters need Linux or WSL2")
+    import triton
+
+    kernel = _smoke_kernel()
     rt = runtime.current()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=gen).to(rt.device)
     out = torch.full_like(x, float("nan"))  # poison: an unwritten element stays NaN
     grid = (triton.cdiv(n, SMOKE_BLOCK),)
-    _axpb_kernel[grid](x, out, n, 2.0, 1.0, BLOCK=SMOKE_BLOCK)
+    kernel[grid](x, out, n, 2.0, 1.0, BLOCK=SMOKE_BLOCK)
     got = out.cpu().numpy()
     want = 2.0 * x.cpu().numpy() + 1.0
     if np.isnan(got).any():
@@ -57,7 +69,8 @@ def triton_smoke_test(n: int = SMOKE_SIZE, seed: int = 0) -> float:
 def environment_report() -> dict:
     """Versions and device facts as a dict (the notebook prints it as a table)."""
     rt = runtime.current()
-    report = {"mode": "GPU (native Triton)" if rt.on_gpu else "CPU (Triton interpreter)",
+    cpu = "CPU (Triton interpreter)" if runtime.triton_installed() else "CPU (no Triton: chapters 00-04)"
+    report = {"mode": "GPU (native Triton)" if rt.on_gpu else cpu,
               "device": rt.gpu_name if rt.on_gpu else "cpu", **rt.versions}
     if rt.on_gpu:
         props = torch.cuda.get_device_properties(0)

@@ -60,6 +60,10 @@ class Runtime:
         versions = f"torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
         if self.on_gpu:
             return f"GPU mode: Triton kernels run natively on {self.gpu_name} · {versions}"
+        if self.versions.get("triton") == "not installed":
+            system = {"Darwin": "macOS"}.get(platform.system(), platform.system())
+            return (f"CPU mode without Triton (no {system} wheel): chapters 00-04 run; the "
+                    f"Triton chapters need Linux or WSL2 · torch {v['torch']}, numpy {v['numpy']}")
         if self.forced_by:
             return (f"CPU mode ({self.forced_by}): Triton runs in its interpreter on CPU tensors "
                     f"(small sizes) · {versions}")
@@ -113,12 +117,24 @@ def mode_from_environment() -> str | None:
     return _MODE_NAMES[value]
 
 
+def triton_installed() -> bool:
+    """False on macOS and Windows, where PyPI has no triton wheel (the course installs without it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
+
+
 def _set_interpreter(on: bool) -> None:
     # The environment variable covers triton versions that read it at decoration time; the knob
     # covers versions that cached it. Assign, never setdefault: an exported TRITON_INTERPRET=0
     # on a CPU-only machine would otherwise leave kernels unable to run.
     already_imported = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    if not triton_installed():
+        return  # nothing to switch: chapters 00-04 use NumPy and torch only
     import triton
 
     triton.knobs.runtime.interpret = on
@@ -196,7 +212,7 @@ def _versions() -> dict:
         import triton
 
         triton_version = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a pinned dependency
+    except ImportError:  # macOS and Windows: no triton wheel
         triton_version = "not installed"
     return {"python": platform.python_version(), "torch": torch.__version__,
             "triton": triton_version, "numpy": numpy.__version__}
@@ -211,7 +227,7 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
     global _RUNTIME
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and triton_installed()  # no triton, no kernels on the GPU
     capability = torch.cuda.get_device_capability() if cuda else None
     from_env = mode_from_environment()
     wanted = force if force is not None else from_env
