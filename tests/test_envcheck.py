@@ -17,7 +17,7 @@ def test_smoke_test_detects_unwritten_output(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(envcheck, "_axpb_kernel", _Silent())
+    monkeypatch.setattr(envcheck, "_smoke_kernel", lambda: _Silent())
     with pytest.raises(RuntimeError, match="unwritten"):
         envcheck.triton_smoke_test(n=300)
 
