@@ -165,10 +165,10 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
+    def forward(ctx, q, k, v, causal: bool, scale: float, deterministic: bool = False):
         o, lse = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
         return o
 
     @staticmethod
@@ -176,12 +176,13 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         o4 = as_4d(o)
         dq, dk, dv = attention_backward(as_4d(do), as_4d(q), as_4d(k), as_4d(v), o4,
-                                        lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None
+                                        lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale,
+                                        deterministic=ctx.deterministic)
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
 
 
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
-                    seq_lens=None, block_mask=None) -> torch.Tensor:
+                    seq_lens=None, block_mask=None, deterministic: bool = False) -> torch.Tensor:
     """FlashAttention (Triton), forward and backward: ``softmax(scale · q kᵀ [+ mask]) v``.
 
     Args:
@@ -191,16 +192,23 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
         scale: score scale; default ``1/sqrt(d)``.
         window, seq_lens, block_mask: keyword-only masks (see the module docstring), served by
             the masked kernels; rows that see no key get ``o = 0``.
+        deterministic: the backward. False (default): the one-pass backward (one kernel for dK,
+            dV and dQ, dQ summed with fp32 atomic adds; on a GPU the order of the adds, and so the
+            last bits of dQ, can differ between runs). True: the two-kernel backward (dK/dV, then
+            dQ, no atomics): bit-for-bit reproducible, and slower (it recomputes the score tiles).
+            The masked kernels' backward is always deterministic.
 
     Returns:
         ``o``: ``(..., N_q, d)`` in q's dtype. Differentiable w.r.t. q, k and v.
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _uses_masks(q, k, window, seq_lens, block_mask):
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
         return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan).reshape(q.shape)
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
 
 
 def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,

@@ -42,6 +42,12 @@ from course_lib.kernels.tiles import LOG2_E
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
+# How the dK/dV kernel also produces dQ: not at all (the two-kernel backward), by one fp32 atomic
+# add per element, or by one TMA reduce-add per tile (Hopper).
+DQ_NONE: tl.constexpr = tl.constexpr(0)
+DQ_ATOMIC: tl.constexpr = tl.constexpr(1)
+DQ_TMA: tl.constexpr = tl.constexpr(2)
+
 PREPROCESS_BLOCK_M = 64  # query rows per program of the delta kernel (memory-bound; any size works)
 
 # Chapter 07's check replays classic learner mistakes on these kernels: they are its mistake
@@ -126,12 +132,17 @@ def _seen_by_mistake(offs_q, offs_k, n_q, n_k, MASKED: tl.constexpr, CAUSAL: tl.
 @triton.jit
 def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                   offs_m, offs_n, d_mask, n_q, n_k, q_start, q_end, qk_scale_log2,
+                  dq_acc, stride_dqan, scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MISTAKE: tl.constexpr):
+                  ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MISTAKE: tl.constexpr,
+                  DQ_MODE: tl.constexpr):
     """Add the contributions of query tiles [q_start, q_end) to this program's dK, dV.
 
     Works with transposed score tiles (keys along rows) so that dK and dV come out as
-    (BLOCK_N, HEAD_DIM) without transposing the accumulators.
+    (BLOCK_N, HEAD_DIM) without transposing the accumulators. With ``DQ_MODE`` (the one-pass
+    backward) it also adds this key tile's share of dQ, ``scale · dS K``, into the fp32 ``dq_acc``:
+    pointers to the head's first query tile (DQ_ATOMIC) or a descriptor of the head's rows
+    (DQ_TMA).
     """
     for start_m in range(q_start, q_end, BLOCK_M):
         # rows (BLOCK_M,) query indices of this tile; q (BLOCK_M, HEAD_DIM)
@@ -160,6 +171,13 @@ def _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, s
         if MISTAKE == _DK_DS_NOT_DST:
             ds_t = tl.trans(ds_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        if DQ_MODE != DQ_NONE:  # the one-pass backward: this key tile's part of dQ = scale · dS K
+            dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION,
+                        out_dtype=ACC_DTYPE) * scale  # (BLOCK_M, HEAD_DIM)
+            if DQ_MODE == DQ_TMA:  # one bulk reduce-add of the whole tile (Hopper's TMA)
+                dq_acc.atomic_add([start_m, 0], dq)
+            else:  # one atomic add per element, in whatever order the programs arrive
+                tl.atomic_add(dq_acc + start_m * stride_dqan, dq, mask=load_mask, sem="relaxed")
     return dk, dv
 
 
@@ -170,15 +188,19 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_dob, stride_doh, stride_don, stride_dod,
                 DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # the outputs share one layout
+                DQ_ACC,  # one-pass backward only: fp32 (B, H, N_Q, HEAD_DIM_REAL) contiguous, zeroed
                 n_heads, n_q, n_k, scale, qk_scale_log2,
                 HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                 ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr = 0,
+                DQ_MODE: tl.constexpr = 0):
     """One program: dK and dV for one BLOCK_N tile of keys of one (batch, head).
 
     Grid: cdiv(n_k, BLOCK_N) · B · H programs on one axis. Keeps its K, V tiles and the dK, dV
     accumulators on chip and loops over the query tiles that see its keys. ``MISTAKE`` (0: none)
-    replays one of :data:`MISTAKES` for chapter 07's check.
+    replays one of :data:`MISTAKES` for chapter 07's check. ``DQ_MODE`` (0: none) makes it the
+    one-pass backward: it also adds its keys' share of dQ into ``DQ_ACC`` (a pointer, or with
+    :data:`DQ_TMA` a descriptor of one head's ``(N_Q, HEAD_DIM_REAL)`` rows, made here).
     """
     pid_bh, b, h, start_n = tiles.program_tile(n_k, n_heads, BLOCK=BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key rows of this program
@@ -198,22 +220,34 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA,  # LSE, DELTA: (B, H, N_Q) contiguous
         lse_ptr, delta_ptr = LSE, DELTA
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
+    dq_acc = DQ_ACC
+    if DQ_MODE == DQ_ATOMIC:  # pointers to the rows offs_m of the head's first query tile
+        dq_acc = DQ_ACC + (pid_bh * n_q + offs_m[:, None]) * HEAD_DIM_REAL + offs_d[None, :]
+    elif DQ_MODE == DQ_TMA:  # the head's rows; TMA drops what falls past n_q or HEAD_DIM_REAL
+        dq_acc = tl.make_tensor_descriptor(DQ_ACC + pid_bh * n_q * HEAD_DIM_REAL, shape=[n_q, HEAD_DIM_REAL],
+                                           strides=[HEAD_DIM_REAL, 1], block_shape=[BLOCK_M, HEAD_DIM])
 
     # Query tiles: the diagonal band (masked), the unmasked middle, the ragged end (masked).
     q_lo, band_end, full_end, tail_start = tiles.q_split(start_n, n_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                                          CAUSAL=CAUSAL)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, n_k, q_lo, band_end, qk_scale_log2,
+                           dq_acc, HEAD_DIM_REAL, scale,
                            MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE,
+                           DQ_MODE=DQ_MODE)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, n_k, band_end, full_end, qk_scale_log2,
+                           dq_acc, HEAD_DIM_REAL, scale,
                            MASKED=False, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE,
+                           DQ_MODE=DQ_MODE)
     dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_tile_ptrs, do_tile_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                            offs_m, offs_n, d_mask, n_q, n_k, tail_start, n_q, qk_scale_log2,
+                           dq_acc, HEAD_DIM_REAL, scale,
                            MASKED=True, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M,
-                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE)
+                           ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, MISTAKE=MISTAKE,
+                           DQ_MODE=DQ_MODE)
 
     if MISTAKE != _DK_NO_SCALE:
         dk = dk * scale  # dK = scale · dSᵀ Q: the scale was left out of the loop
@@ -326,20 +360,37 @@ def _launch(kernel, tuned, n_tiles_of, blocks, args, meta):
         tuned[lambda cfg: (n_tiles_of(cfg["BLOCK_M"], cfg["BLOCK_N"]),)](*args, **meta)
 
 
+def dq_mode(q: torch.Tensor, head_dim: int, interpreted: bool) -> int:
+    """How the one-pass backward adds dQ on this device: :data:`DQ_TMA` (one bulk reduce-add per
+    tile) on a Hopper GPU where the fp32 rows of ``dq_acc`` meet TMA's 16-byte rule and
+    ``COURSE_LIB_TMA`` is not 0, else :data:`DQ_ATOMIC` (one atomic add per element; the
+    interpreter runs the programs one after another, so there the adds are in a fixed order)."""
+    if (not interpreted and q.device.type == "cuda" and tuning.tma_enabled()
+            and torch.cuda.get_device_capability(q.device)[0] == 9 and (head_dim * 4) % 16 == 0):
+        return DQ_TMA.value
+    return DQ_ATOMIC.value
+
+
 def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
                        dkdv_blocks: tuning.Blocks | None = None, dq_blocks: tuning.Blocks | None = None,
-                       *, out=None, mistake: str | None = None):
+                       *, out=None, mistake: str | None = None, deterministic: bool = False):
     """Gradients of attention w.r.t. q, k, v, on ``(B, H, N, d)`` views.
 
     Args:
         do: ``(B, H, N_q, d)`` upstream gradient; q, o: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``;
             any strides. lse: ``(B, H, N_q)`` contiguous, from :func:`attention_forward`.
         causal, scale: as in the forward.
-        dkdv_blocks, dq_blocks: force a launch config per kernel; None = interpreter default /
-            the measured GPU table (autotune with COURSE_LIB_AUTOTUNE=1).
+        dkdv_blocks, dq_blocks: force a launch config per kernel (the one-pass backward uses
+            ``dkdv_blocks``); None = interpreter default / the measured GPU table (autotune with
+            COURSE_LIB_AUTOTUNE=1).
         out: ``(dq, dk, dv)`` to write into (dk and dv with one layout), or None for new tensors.
-        mistake: one of :data:`MISTAKES` — chapter 07's check replays that learner mistake; the
-            library never sets it.
+        mistake: one of :data:`MISTAKES` — chapter 07's check replays that learner mistake (on the
+            two-kernel backward); the library never sets it.
+        deterministic: False (default): the one-pass backward, one kernel for dK, dV and dQ that
+            adds dQ with fp32 atomics (5 tile products per tile pair; the order of the adds, and
+            so the last bits of dQ, can change from run to run on a GPU). True: the two-kernel
+            backward, dK/dV then dQ with no atomics (7 tile products per pair), bit-for-bit
+            reproducible.
 
     Returns:
         ``(dq, dk, dv)``, contiguous, shaped like q, k, v, in their dtype (``out`` when given).
@@ -357,31 +408,47 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK_M) * n_bh,)](
         ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, **meta, BLOCK_M=PREPROCESS_BLOCK_M)
 
+    # the one-pass backward unless asked for reproducible bits, replaying a mistake (chapter 07's
+    # models are the two kernels), or on short sequences, where it does not pay on a GPU
+    one_pass = not deterministic and mistake is None and (interpreted or tuning.one_pass_pays(max(n_q, n_k)))
     if out is not None and all(x.dtype == work for x in out):
         dq, dk, dv = out
     else:
-        dq = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
+        dq = None if one_pass else torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
         dk = torch.empty((batch, heads, n_k, d), dtype=work, device=q.device)
         dv = torch.empty_like(dk)
     meta.update(CAUSAL=bool(causal), DOT_PRECISION=precision)
     if mistake is not None:
         meta.update(MISTAKE=MISTAKE_CODES[mistake])
+    dq_acc = dk  # the two-kernel backward passes a placeholder the kernel never touches
+    if one_pass:
+        dq_acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float64 if work == torch.float64 else torch.float32,
+                             device=q.device)
+        meta.update(DQ_MODE=dq_mode(q, d, interpreted))
+        if meta["DQ_MODE"] == DQ_TMA.value:
+            from course_lib.kernels.hopper import ensure_descriptor_allocator
+
+            ensure_descriptor_allocator()  # the kernel makes its descriptor of dq_acc on the device
     common = (*qw.stride(), *kw.stride(), *vw.stride(), *dow.stride())
     scalars = (heads, n_q, n_k, scale, scale * LOG2_E_FLOAT)
     if interpreted:
         dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
         dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
-    dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), *scalars)
-    dq_args = (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
+    dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), dq_acc, *scalars)
+    dq_args = None if one_pass else (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
     if not interpreted and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
         table = dict(head_dim=meta["HEAD_DIM"], element_size=qw.element_size(), seq_len=max(n_q, n_k),
                      causal=causal)
-        dkdv_blocks = dkdv_blocks or fit.choose(dkdv_kernel, tuning.gpu_candidates("dkdv", **table),
-                                                dkdv_args, meta)
-        dq_blocks = dq_blocks or fit.choose(dq_kernel, tuning.gpu_candidates("dq", **table), dq_args, meta)
+        dkdv_blocks = dkdv_blocks or fit.choose(dkdv_kernel, tuning.gpu_candidates(
+            "fused" if one_pass else "dkdv", **table), dkdv_args, meta)
+        if not one_pass:
+            dq_blocks = dq_blocks or fit.choose(dq_kernel, tuning.gpu_candidates("dq", **table), dq_args, meta)
     _launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh, dkdv_blocks,
             dkdv_args, meta)
-    _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks, dq_args, meta)
+    if one_pass:  # dQ summed in fp32 by the adds, rounded to the work dtype once
+        dq = dq_acc if work == dq_acc.dtype else dq_acc.to(work)
+    else:
+        _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks, dq_args, meta)
     if out is not None:
         for target, grad in zip(out, (dq, dk, dv)):
             if target is not grad:

@@ -48,6 +48,18 @@ INTERPRETER_BACKWARD = Blocks(block_m=64, block_n=64)
 SHORT_CAUSAL_SEQ_LEN = 1024
 
 
+# The one-pass backward (dK, dV and dQ in one kernel, dQ by fp32 atomic adds) is the default above
+# this many keys or queries; at and below it the two-kernel backward was as fast or faster on an
+# H100 (NOTES.md, "One-pass backward"): there the atomics' extra traffic and the fp32 dQ buffer's
+# zeroing and rounding are a larger share of a short backward.
+ONE_PASS_MIN_SEQ_LEN = SHORT_CAUSAL_SEQ_LEN + 1
+
+
+def one_pass_pays(seq_len: int) -> bool:
+    """Whether the library's default backward is the one-pass one for this many keys/queries."""
+    return seq_len >= ONE_PASS_MIN_SEQ_LEN
+
+
 def autotune_enabled() -> bool:
     """True when ``COURSE_LIB_AUTOTUNE=1`` asks for Triton's autotuner instead of the table."""
     return os.environ.get(AUTOTUNE_ENV, "0") == "1"
@@ -60,7 +72,8 @@ def _small_tiles(head_dim: int, element_size: int) -> bool:
 
 def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | None = None,
                 causal: bool = False) -> Blocks:
-    """The measured GPU config for ``kernel`` ("forward", "dkdv" or "dq").
+    """The measured GPU config for ``kernel`` ("forward", "dkdv", "dq" or "fused", the one-pass
+    backward: dK/dV with dQ's atomic adds).
 
     Args:
         head_dim: the padded head dim (a power of two); element_size: bytes per input element.
@@ -71,8 +84,15 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
     faster in the forward; for causal N <= 1k, 64-row forward tiles are 8% faster, and at d=64
     (32, 64) dK/dV tiles 9% faster, than the long-sequence choice.
     """
-    if kernel not in ("forward", "dkdv", "dq"):
-        raise ValueError(f"kernel must be 'forward', 'dkdv' or 'dq', got {kernel!r}")
+    if kernel not in ("forward", "dkdv", "dq", "fused"):
+        raise ValueError(f"kernel must be 'forward', 'dkdv', 'dq' or 'fused', got {kernel!r}")
+    if kernel == "fused" and not _small_tiles(head_dim, element_size):
+        # one-pass backward, measured on an H100 (NOTES.md, "One-pass backward"): at d=128 the
+        # dK/dV table's tiles win although they spill ~100 bytes; the tiles that do not spill run
+        # 20-45% slower. At d=64, 64x64 tiles on 4 warps.
+        return Blocks(64, 128, 8, 3) if head_dim > 64 else Blocks(64, 64, 4, 3)
+    if kernel == "fused":
+        kernel = "dkdv"
     if _small_tiles(head_dim, element_size):
         return Blocks(32, 64, 4, 2) if kernel == "dkdv" else Blocks(64, 32, 4, 2)
     short_causal = causal and seq_len is not None and seq_len <= SHORT_CAUSAL_SEQ_LEN
@@ -98,8 +118,10 @@ _FALLBACKS = {
              Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1)],
     "dq": [Blocks(128, 64, 8, 2), Blocks(128, 32, 4, 2), Blocks(64, 32, 4, 3), Blocks(64, 32, 4, 2),
            Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1), Blocks(32, 16, 4, 1)],
+    "fused": [Blocks(64, 128, 8, 2), Blocks(64, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(32, 64, 4, 3),
+              Blocks(32, 64, 4, 2), Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1)],
 }
-_OWNED = {"forward": "block_m", "dq": "block_m", "dkdv": "block_n"}
+_OWNED = {"forward": "block_m", "dq": "block_m", "dkdv": "block_n", "fused": "block_n"}
 # The tables above were measured on an H100: compute capability 9.0, Triton's target 90.
 TABLE_ARCH = 90
 
