@@ -57,3 +57,35 @@ notebooks: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis test-artifacts
+
+# ---- make test-oldest: the oldest versions the course supports --------------------------------
+# The range is written once, in course_lib/versions.py (MINIMUM; also what the Colab installer
+# checks). This builds .venv-oldest with its OLDEST_TESTED pins (triton 3.6, numpy 2.0,
+# matplotlib 3.10, ipywidgets 7.7.1, tqdm 4.66) and the test tools at pyproject.toml's pins, and
+# runs the kernels in Triton's interpreter (forward, backward, API), the widgets and notebook 00
+# there. torch is the CPU wheel of the course's pin (2.13.0): PyPI's Linux torch 2.11 is the CUDA
+# build (GBs); torch 2.11 + triton 3.6 run on the GPU machine, whose image has exactly those.
+OLDEST_VENV  ?= .venv-oldest
+OLDEST_PY    := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
+OLDEST_TESTS := tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_kernels_api.py \
+                $(wildcard tests/test_widgets_*.py) tests/test_oldest_widgets.py \
+                notebooks/00_setup_and_roadmap.ipynb
+# Sets Play's `playing`, ipywidgets 8's name (7 calls it `_playing`); tests/test_oldest_widgets.py
+# plays the same run through the name each version has.
+OLDEST_SKIP  := --deselect tests/test_widgets_tiling.py::test_play_speed_control
+
+.PHONY: test-oldest
+
+$(OLDEST_STAMP): course_lib/versions.py pyproject.toml | check-python
+	@echo "Building $(OLDEST_VENV) with the oldest supported versions: $$($(PYTHON) course_lib/versions.py --oldest)"
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check \
+	  $$($(PYTHON) course_lib/versions.py --oldest) $$($(PYTHON) course_lib/versions.py --test-tools)
+	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $(OLDEST_STAMP)
+
+# -W: an old matplotlib calls pyparsing's deprecated names thousands of times; nothing to act on.
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pytest -m "not slow and not gpu" -W ignore::DeprecationWarning $(OLDEST_SKIP) $(OLDEST_TESTS)

@@ -19,11 +19,17 @@ each exercise cell a solution cell, the cell calling its check an autograded tes
 ``nbgrader generate_assignment`` accepts the solution notebooks; the learner notebooks carry the
 same metadata, so nbgrader can also autograde submissions of ``notebooks/``.
 
+Every notebook, in both folders, gets the Google Colab cell (:func:`stamp_colab`) as its first code
+cell, right after the title: on Colab it installs the course from the repository named in
+``pyproject.toml`` (``[project.urls] Repository``) without touching Colab's torch and triton;
+elsewhere it does nothing. ``--colab-links`` prints the "Open in Colab" links for the README.
+
 Usage::
 
     python -m course_lib.nbgen            # write notebooks/ from solutions/
     python -m course_lib.nbgen --check    # exit 1, naming each notebook that is out of step
     python -m course_lib.nbgen --refresh-outputs solutions/03_online_softmax.ipynb
+    python -m course_lib.nbgen --colab-links     # one "Open in Colab" badge line per notebook
 """
 
 from __future__ import annotations
@@ -158,6 +164,60 @@ def stamp_nbgrader(nb: dict) -> dict:
     return out
 
 
+COLAB_CELL_ID = "colab-install"
+# The first code cell of every notebook. It runs before course_lib is importable, so it stays
+# tiny: the rest is course_lib.colab, installed by its first step.
+COLAB_CELL = """\
+# Google Colab only (elsewhere this cell does nothing): install the course beside Colab's torch and triton.
+import importlib, importlib.util, subprocess, sys
+REPOSITORY = {url}  # pyproject.toml's [project.urls] Repository
+if "google.colab" in sys.modules:
+    if importlib.util.find_spec("course_lib") is None:
+        if not REPOSITORY:
+            raise RuntimeError({unpublished})
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "git+" + REPOSITORY])
+        importlib.invalidate_caches()
+    from course_lib import colab
+    colab.install()   # only what is missing or too old, never torch or triton; prints one line"""
+UNPUBLISHED = ("The course's repository URL is not published yet, so install it by hand: upload or "
+               "clone the course folder into Colab, run `!pip install --no-deps -e <folder>`, restart "
+               "the session (Runtime → Restart session) and run this cell again.")
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def colab_cell_source(repository: str) -> str:
+    """The Colab cell's code for the course's repository URL (``""``: not published yet)."""
+    if not isinstance(repository, str):
+        raise TypeError(f"repository must be a str, got {type(repository).__name__}")
+    return COLAB_CELL.format(url=json.dumps(repository), unpublished=json.dumps(UNPUBLISHED,
+                                                                                ensure_ascii=False))
+
+
+def stamp_colab(nb: dict, repository: str) -> dict:
+    """Give ``nb`` the Colab cell (:func:`colab_cell_source`) as its first code cell, right after
+    the title cell; an older Colab cell (found by its id) is replaced. Returns a copy."""
+    out = copy.deepcopy(nb)
+    cells = [c for c in out["cells"] if c.get("id") != COLAB_CELL_ID]
+    at = 1 if cells and cells[0].get("cell_type") == "markdown" else 0
+    cells.insert(at, {"cell_type": "code", "execution_count": None, "id": COLAB_CELL_ID,
+                      "metadata": {}, "outputs": [], "source": colab_cell_source(repository)})
+    out["cells"] = cells
+    return out
+
+
+def colab_link(repository: str, notebook: str, branch: str = "main") -> str:
+    """The "Open in Colab" address of ``notebooks/<notebook>`` in a GitHub ``repository``."""
+    import urllib.parse
+
+    parts = urllib.parse.urlparse(repository.removesuffix(".git"))
+    path = [p for p in parts.path.split("/") if p]
+    if parts.netloc.lower() != "github.com" or len(path) != 2:
+        raise ValueError(f"repository must be https://github.com/OWNER/NAME (Colab opens notebooks "
+                         f"from GitHub), got {repository!r}")
+    return (f"https://colab.research.google.com/github/{path[0]}/{path[1]}/blob/{branch}/"
+            f"notebooks/{notebook}")
+
+
 def load_notebook(path: Path) -> dict:
     """Read a notebook's JSON; a corrupt file raises NotebookError naming it."""
     try:
@@ -226,18 +286,25 @@ def dumps(nb: dict) -> str:
 
 
 def build(solutions: Path, notebooks: Path, check: bool = False) -> list[str]:
-    """Stamp the solutions' nbgrader metadata and generate every learner notebook (with
-    ``check``, only compare); return the out-of-step names (a solution notebook whose metadata
-    was missing or stale is listed as ``solutions/NAME (nbgrader metadata)``)."""
+    """Stamp the solutions' nbgrader metadata and Colab cell and generate every learner notebook
+    (with ``check``, only compare); return the out-of-step names (a solution notebook whose
+    metadata, else Colab cell, was missing or stale is listed as ``solutions/NAME (nbgrader
+    metadata)``, else ``(Colab cell)``)."""
     stale = []
     sources = sorted(Path(solutions).glob("*.ipynb"))
     if not sources:
         raise NotebookError(f"{solutions}: no .ipynb files found")
     expected_names = {p.name for p in sources}
+    from course_lib.colab import repository_url
+
+    repository = repository_url(ROOT / "pyproject.toml")
     for path in sources:
-        stamped = stamp_nbgrader(load_notebook(path))
-        if json.loads(path.read_text(encoding="utf-8")) != stamped:
-            stale.append(f"solutions/{path.name} (nbgrader metadata)")
+        original = load_notebook(path)
+        graded = stamp_nbgrader(original)
+        stamped = stamp_colab(graded, repository)
+        if original != stamped:
+            stale.append(f"solutions/{path.name} "
+                         + ("(nbgrader metadata)" if graded != original else "(Colab cell)"))
             if not check:
                 path.write_text(dumps(stamped), encoding="utf-8")
         text = dumps(generate(stamped, path.name))
@@ -276,7 +343,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
     parser.add_argument("--refresh-outputs", nargs="+", type=Path, metavar="NOTEBOOK",
                         help="execute these solution notebooks and store their CHECK_OUTPUT outputs")
+    parser.add_argument("--colab-links", action="store_true",
+                        help='print one "Open in Colab" badge line per notebook (for the README)')
     args = parser.parse_args(argv)
+    if args.colab_links:
+        from course_lib.colab import repository_url
+
+        repository = repository_url(ROOT / "pyproject.toml")
+        if not repository:
+            print("nbgen: error: pyproject.toml has no [project.urls] Repository yet: "
+                  "no Colab links to make", file=sys.stderr)
+            return 2
+        for path in sorted(args.solutions.glob("*.ipynb")):
+            print(f"[![Open In Colab]({COLAB_BADGE})]({colab_link(repository, path.name)}) `{path.stem}`")
+        return 0
     try:
         if args.refresh_outputs:
             for path in args.refresh_outputs:

@@ -67,11 +67,14 @@ class Runtime:
         if self.forced_by:
             return (f"CPU mode ({self.forced_by}): Triton runs in its interpreter on CPU tensors "
                     f"(small sizes) · {versions}")
+        from course_lib.colab import GPU_RUNTIMES, on_colab
+
+        choose = f"; for GPU mode choose {GPU_RUNTIMES}" if on_colab() else ""
         if self.gpu_name:  # a GPU below Triton's supported compute capability
             return (f"CPU mode: {self.gpu_name} is below the compute capability Triton supports "
                     f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}+), so Triton runs "
-                    f"in its interpreter on CPU tensors (small sizes) · {versions}")
-        return f"CPU mode: no CUDA GPU, Triton runs in its interpreter (small sizes) · {versions}"
+                    f"in its interpreter on CPU tensors (small sizes){choose} · {versions}")
+        return f"CPU mode: no CUDA GPU, Triton runs in its interpreter (small sizes){choose} · {versions}"
 
 
 _RUNTIME: Runtime | None = None

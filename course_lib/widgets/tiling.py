@@ -50,6 +50,13 @@ from course_lib import iomodel
 from course_lib.widgets._display import (PANEL_TITLE_FONTSIZE, SMALL_FONTSIZE, FigureWidget,
                                         control_layout)
 
+
+def playing_trait(play) -> str:
+    """The name of a ``Play`` widget's "is playing" trait: ``playing`` in ipywidgets 8,
+    ``_playing`` in ipywidgets 7 (Google Colab's widget frontend runs ipywidgets 7)."""
+    return "playing" if play.has_trait("playing") else "_playing"
+
+
 # Play speeds: (label, (milliseconds between frames, steps per frame)). A frame costs a redraw
 # (~0.05-0.2 s at 64 × 64 tiles), so the fast speeds take several steps per frame, not shorter frames.
 PLAY_SPEEDS = (("1 step/s", (1000, 1)), ("4 steps/s", (250, 1)), ("10 steps/s", (100, 1)),
@@ -147,7 +154,7 @@ class TilingSimulator(FigureWidget):
                         self.causal):
             control.observe(lambda change: self.rebuild(), names="value")
         self.play.observe(self._on_play, names="value")
-        self.play.observe(self._on_play_stopped, names="playing")
+        self.play.observe(self._on_play_stopped, names=playing_trait(self.play))
         self.speed.observe(self._on_speed, names="value")
         self.step_button.on_click(lambda button: self.step())
         self.reset_button.on_click(lambda button: self.reset())
