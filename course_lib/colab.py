@@ -137,6 +137,9 @@ def install(run: Callable[[list[str]], object] = subprocess.check_call) -> list[
     wanted = requirements_to_install(before)
     if wanted:
         run([sys.executable, "-m", "pip", "install", "--quiet", *wanted])
-    restart = any(MODULES[r.split(">=")[0]] in sys.modules for r in wanted)
+    from packaging.requirements import Requirement
+
+    # a package already imported in this session keeps its old version until the session restarts
+    restart = any(MODULES[Requirement(r).name] in sys.modules for r in wanted)
     print(report(before, wanted, restart))
     return wanted
