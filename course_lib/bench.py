@@ -10,7 +10,10 @@ dtype × head dim d × sequence length N × causal, and for each pass (forward, 
 - ``naive``         q kᵀ, softmax in fp32, p v, all materialised (skipped when it cannot fit)
 
 Each cell uses ``batch · N = 16k`` tokens and ``heads · d = 2048`` (the design doc's grid), random
-normal inputs (never zeros), the median of ``triton.testing.do_bench``, and the FLOP convention
+normal inputs (never zeros), the median time of the call (``--timer``: ``cudagraph``, the default,
+replays the call captured in a CUDA graph, so the time is the GPU's alone; ``events`` is
+``triton.testing.do_bench``, which also counts the Python launch overhead, up to a third of an
+N = 1k call, and varies with the CPU), and the FLOP convention
 of the FlashAttention papers (:func:`course_lib.costmodel.attention_flops`): ``4·B·H·N²·d``
 forward, halved when causal, and 3.5× that for forward+backward (the backward counts 2.5×).
 Peak memory is ``torch.cuda.max_memory_allocated`` during one call, minus what was allocated
@@ -85,8 +88,27 @@ def _attention_fn(impl: str):
     return run
 
 
+TIMERS = ("cudagraph", "events")
+
+
+def _time_ms(step, timer: str, grads) -> tuple[float, str]:
+    """Median milliseconds of ``step()`` and the timer that measured it: in a CUDA graph
+    (falls back to events, saying why, when the call cannot be captured) or with events."""
+    import triton
+
+    if timer == "cudagraph":
+        import torch
+
+        try:
+            return triton.testing.do_bench_cudagraph(step, rep=100, grad_to_none=grads, return_mode="median"), timer
+        except RuntimeError as err:  # a backend that syncs with the CPU, or allocates outside the pool
+            print(f"  cannot capture in a CUDA graph ({str(err).splitlines()[0][:80]}): timing with events")
+            torch.cuda.synchronize()
+    return triton.testing.do_bench(step, grad_to_none=grads, return_mode="median"), "events"
+
+
 def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
-            tokens: int = TOKENS, model_dim: int = MODEL_DIM) -> dict | None:
+            tokens: int = TOKENS, model_dim: int = MODEL_DIM, timer: str = "cudagraph") -> dict | None:
     """Time one implementation on one cell; return a result row, or None if it cannot run."""
     import torch
     import triton
@@ -119,8 +141,7 @@ def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-        ms = triton.testing.do_bench(step, grad_to_none=[q, k, v] if needs_grad else None,
-                                     return_mode="median")
+        ms, timer = _time_ms(step, timer, [q, k, v] if needs_grad else None)
     except (RuntimeError, torch.OutOfMemoryError) as err:  # backend refuses the shape, or OOM
         print(f"  {impl} {dtype} d={d} N={n} causal={causal} {pass_}: not run ({str(err).splitlines()[0][:80]})")
         return None
@@ -129,7 +150,7 @@ def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
         torch.cuda.empty_cache()
     return {"impl": impl, "dtype": dtype, "d": d, "N": n, "causal": causal, "pass": pass_,
             "tflops": round(flops(batch, heads, n, d, causal, pass_) / (ms * 1e-3) / 1e12, 2),
-            "peak_mib": round(peak / MIB, 1)}
+            "peak_mib": round(peak / MIB, 1), "timer": timer}
 
 
 def machine_meta() -> dict:
@@ -148,7 +169,7 @@ def machine_meta() -> dict:
 
 def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], causals=GRID["causal"],
              passes=PASSES, impls=IMPLS, tokens: int = TOKENS, model_dim: int = MODEL_DIM,
-             progress: bool = True, on_row=None) -> dict:
+             progress: bool = True, on_row=None, timer: str = "cudagraph") -> dict:
     """Measure every (cell, pass, impl) on this GPU; return ``{"meta", "rows"}``.
 
     ``on_row(data)``, if given, is called after each measurement with the results so far (the
@@ -161,9 +182,9 @@ def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], caus
         raise RuntimeError("run_grid needs a CUDA GPU; on CPU use load_recorded()")
     cells = [(dt, d, n, c, p, impl) for dt in dtypes for d in head_dims for n in seq_lens
              for c in causals for p in passes for impl in impls]
-    data = {"meta": machine_meta(), "rows": []}
+    data = {"meta": {**machine_meta(), "timer": timer}, "rows": []}
     for dt, d, n, c, p, impl in tqdm(cells, desc="benchmark", disable=not progress):
-        row = measure(impl, dt, d, n, c, p, tokens, model_dim)
+        row = measure(impl, dt, d, n, c, p, tokens, model_dim, timer)
         if row is not None:
             data["rows"].append(row)
             if on_row is not None:
@@ -190,8 +211,9 @@ def load_recorded(gpu: str = "h100") -> dict | None:
 def provenance(data: dict) -> str:
     """One line: where and when the numbers were measured."""
     m = data["meta"]
+    timer = {"cudagraph": ", timed in CUDA graphs", "events": ", timed with events (launch overhead included)"}
     return (f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
-            f"on {m['date']}")
+            f"on {m['date']}{timer.get(m.get('timer'), '')}")
 
 
 def _cells(data: dict, pass_: str) -> dict:
@@ -349,6 +371,9 @@ def main(argv=None) -> dict:
     p.add_argument("--pass", dest="passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--tokens", type=int, default=TOKENS, help="batch · N (default 16k)")
+    p.add_argument("--timer", default="cudagraph", choices=TIMERS,
+                   help="cudagraph: GPU time of the call replayed in a CUDA graph (default); "
+                        "events: triton.testing.do_bench, Python launch overhead included")
     p.add_argument("--out", type=Path, help="write the results JSON here")
     p.add_argument("--plot", type=Path, help="write a plot (one figure per pass, suffixed) here")
     p.add_argument("--show-recorded", default=None, metavar="GPU",
@@ -365,7 +390,7 @@ def main(argv=None) -> dict:
                 args.out.write_text(json.dumps(data, indent=1) + "\n")
 
         data = run_grid(args.dtype, args.head_dim, args.seq_len, args.causal, args.passes, args.impl,
-                        tokens=args.tokens, on_row=save)
+                        tokens=args.tokens, on_row=save, timer=args.timer)
         save(data)
     print(provenance(data))
     for pass_ in PASSES:

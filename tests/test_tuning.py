@@ -90,3 +90,14 @@ def test_autotune_is_opt_in(monkeypatch):
     assert tuning.autotune_enabled()
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     assert not tuning.autotune_enabled()
+
+
+def test_one_pass_backward_is_the_default_only_where_it_paid():
+    """The measured rule: one-pass at d <= 64 except short causal sequences; two kernels at d=128."""
+    from course_lib.kernels import tuning
+
+    assert tuning.one_pass_pays(4096, 64, causal=True) and tuning.one_pass_pays(1024, 64, causal=False)
+    assert not tuning.one_pass_pays(1024, 64, causal=True)
+    assert not tuning.one_pass_pays(16384, 128, causal=False)
+    assert tuning.gpu_default("fused", 64, 2) == tuning.Blocks(64, 64, 4, 3)
+    assert tuning.gpu_candidates("fused", 128, 2)[0] == tuning.Blocks(64, 128, 8, 3)

@@ -409,8 +409,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
         ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, **meta, BLOCK_M=PREPROCESS_BLOCK_M)
 
     # the one-pass backward unless asked for reproducible bits, replaying a mistake (chapter 07's
-    # models are the two kernels), or on short sequences, where it does not pay on a GPU
-    one_pass = not deterministic and mistake is None and (interpreted or tuning.one_pass_pays(max(n_q, n_k)))
+    # models are the two kernels), or where it does not pay on a GPU (tuning.one_pass_pays)
+    one_pass = not deterministic and mistake is None and (
+        interpreted or tuning.one_pass_pays(max(n_q, n_k), padded_head_dim(d), causal))
     if out is not None and all(x.dtype == work for x in out):
         dq, dk, dv = out
     else:

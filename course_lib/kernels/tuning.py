@@ -48,16 +48,22 @@ INTERPRETER_BACKWARD = Blocks(block_m=64, block_n=64)
 SHORT_CAUSAL_SEQ_LEN = 1024
 
 
-# The one-pass backward (dK, dV and dQ in one kernel, dQ by fp32 atomic adds) is the default above
-# this many keys or queries; at and below it the two-kernel backward was as fast or faster on an
-# H100 (NOTES.md, "One-pass backward"): there the atomics' extra traffic and the fp32 dQ buffer's
-# zeroing and rounding are a larger share of a short backward.
-ONE_PASS_MIN_SEQ_LEN = SHORT_CAUSAL_SEQ_LEN + 1
+# The one-pass backward (dK, dV and dQ in one kernel, dQ by fp32 atomic adds) is the default where
+# it was faster on an H100 (NOTES.md, "One-pass backward", the bench grid, backward alone): at
+# d <= 64, 1.08-1.23x the two-kernel backward, except causal N = 1k (0.91-0.93x: the atomics' and
+# the fp32 dQ buffer's traffic are a larger share of a short backward). At d = 128 it was within
+# noise of the two-kernel backward (0.93-1.06x): its tiles need more registers than a thread has
+# (the dK, dV accumulators alone take 128 per thread) and spill; the tiles that do not spill are
+# 20-45% slower. There the two-kernel backward stays: as fast, bit-for-bit reproducible, and no
+# fp32 dQ buffer.
+ONE_PASS_MAX_HEAD_DIM = 64
 
 
-def one_pass_pays(seq_len: int) -> bool:
-    """Whether the library's default backward is the one-pass one for this many keys/queries."""
-    return seq_len >= ONE_PASS_MIN_SEQ_LEN
+def one_pass_pays(seq_len: int, head_dim: int, causal: bool) -> bool:
+    """Whether the library's default backward is the one-pass one: padded ``head_dim`` at most
+    :data:`ONE_PASS_MAX_HEAD_DIM`, and not a short causal sequence."""
+    short_causal = causal and seq_len <= SHORT_CAUSAL_SEQ_LEN
+    return head_dim <= ONE_PASS_MAX_HEAD_DIM and not short_causal
 
 
 def autotune_enabled() -> bool:
