@@ -99,9 +99,9 @@ def test_build_and_check_cycle(tmp_path):
     assert nbgen.build(sol, nbs) == stale
     assert nbgen.build(sol, nbs, check=True) == []
     # the solution is stamped, and the learner notebook carries the same metadata
-    stamped = json.loads((sol / "01_a.ipynb").read_text())["cells"][0]["metadata"]["nbgrader"]
+    stamped = json.loads((sol / "01_a.ipynb").read_text())["cells"][-1]["metadata"]["nbgrader"]
     assert stamped["grade_id"] == "exercise_3_1" and stamped["solution"] is True
-    learner = json.loads((nbs / "01_a.ipynb").read_text())["cells"][0]
+    learner = json.loads((nbs / "01_a.ipynb").read_text())["cells"][-1]  # after nbgen's Colab cell
     assert learner["metadata"]["nbgrader"] == stamped and "m_new" not in nbgen._source(learner)
     # a hand edit of the learner notebook is detected
     target = nbs / "01_a.ipynb"
