@@ -412,3 +412,30 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------------------------
+# Chapter 07: the one-pass backward against the two-kernel backward (tools/bench_backward.py)
+
+
+def one_pass_table(path: Path | None = None) -> str:
+    """The recorded backward-only timings (``tools/bench_backward.py``, the library's own configs):
+    TFLOP/s of the two-kernel backward and of the one-pass backward with TMA reduce-adds and with
+    atomic adds, per cell, and one-pass (TMA) ÷ two-kernel. Ends with the provenance line."""
+    data = json.loads((path or RECORDED_DIR / "h100_backward.json").read_text())
+    cells: dict = {}
+    for r in data["rows"]:
+        variant = {"two-kernel": "two", "one-pass tma": "tma", "one-pass atomic": "atomic"}.get(r["variant"])
+        if variant is not None and r["config"] is None:
+            cells.setdefault((r["dtype"], r["d"], r["N"], r["causal"]), {})[variant] = r["tflops"]
+    lines = ["backward alone, TFLOP/s (2.5 x the forward's FLOPs)",
+             f"{'dtype':<9} {'d':>4} {'N':>6} {'causal':>6} {'two-kernel':>10} {'one-pass TMA':>12} "
+             f"{'one-pass atomic':>15} {'TMA / two':>9}"]
+    for (dtype, d, n, causal), t in sorted(cells.items()):
+        if {"two", "tma", "atomic"} <= t.keys():
+            lines.append(f"{dtype:<9} {d:>4} {n:>6} {str(causal):>6} {t['two']:>10.0f} {t['tma']:>12.0f} "
+                         f"{t['atomic']:>15.0f} {t['tma'] / t['two']:>8.2f}x")
+    m = data["meta"]
+    lines.append(f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
+                 f"on {m['date']} (tools/bench_backward.py --configs table)")
+    return "\n".join(lines)

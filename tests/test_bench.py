@@ -128,3 +128,25 @@ def test_run_grid_refuses_cpu():
         pytest.skip("CPU-only check")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench.run_grid()
+
+
+def test_one_pass_table_shows_each_recorded_cell_and_its_ratio(tmp_path):
+    """Chapter 07's table: one line per cell with all three variants, the ratio computed from the
+    recorded numbers, and the provenance; a cell missing a variant is left out."""
+    import json
+
+    from course_lib import bench
+
+    meta = {"gpu": "GPU X", "driver": "1", "torch": "2", "triton": "3", "date": "2026-01-02"}
+    rows = [{"dtype": "float16", "d": 64, "N": 4096, "causal": True, "variant": v, "config": None, "tflops": t}
+            for v, t in (("two-kernel", 200.0), ("one-pass tma", 250.0), ("one-pass atomic", 210.0))]
+    rows.append({"dtype": "float16", "d": 128, "N": 4096, "causal": False, "variant": "two-kernel",
+                 "config": None, "tflops": 300.0})
+    rows.append({"dtype": "float16", "d": 64, "N": 4096, "causal": True, "variant": "one-pass tma",
+                 "config": [64, 64, 4, 3], "tflops": 999.0})  # a swept config, not the library's
+    path = tmp_path / "bwd.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    lines = bench.one_pass_table(path).splitlines()
+    assert len(lines) == 4 and "GPU X" in lines[-1] and "2026-01-02" in lines[-1]
+    assert lines[2].split()[-1] == "1.25x" and "999" not in lines[2]
+    assert len(bench.one_pass_table().splitlines()) == 3 + 24  # the recorded H100 grid
