@@ -138,30 +138,37 @@ def compute_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
 
 # fp32 dot products. "tf32x3" splits each fp32 operand into a tf32 head and a tf32 tail and sums
 # three tensor-core products (head·head + head·tail + tail·head), which keeps fp32's accuracy;
-# "ieee" is plain fp32 FMAs, no tensor cores: Triton unrolls every tile product into thousands of
-# FMAs held in registers, which spill, and the first fp32 backward compiled for 40-145 s on an
-# H100. Measured on an H100 (NOTES.md, "fp32 dots"): at head dims up to 128, tf32x3 gives the same
-# error against a float64 reference (~3e-7) 4x faster, and compiles in 9 s or less per kernel. Above
-# 128 its operands need more shared memory than an H100 has at the table's tiles (384 KiB at
-# d=256), the tiles that fit spill heavily, and the backward ran 80x slower: there the kernels keep
-# "ieee". COURSE_LIB_FP32_DOTS=ieee or =tf32x3 forces one everywhere (for comparisons).
+# "ieee" is plain fp32 FMAs, no tensor cores: Triton unrolls every tile product into FMAs held in
+# registers, so big tiles spill and compile for a long time (the first fp32 backward took 40-145 s
+# on an H100 with them). Measured on an H100 (NOTES.md, "fp32 dots"): at head dims up to 128,
+# tf32x3 gives the same error against a float64 reference (~3e-7) 4x faster, and compiles in 9 s
+# or less per kernel. Above 128 the backward's tf32x3 operands need more shared memory than an
+# H100 has at the tiles that do not spill, and the tiles that fit spill 10-16 KB per thread (the
+# backward ran 80x slower than the forward): there the backward keeps "ieee" on small tiles
+# (tuning.FP32_WIDE). The forward's tf32x3 tiles fit at every head dim (a few hundred bytes of
+# spills, 4x faster than ieee), so the forward uses tf32x3 everywhere. COURSE_LIB_FP32_DOTS=ieee
+# or =tf32x3 forces one everywhere (for comparisons).
 FP32_DOTS_ENV = "COURSE_LIB_FP32_DOTS"
 FP32_DOT_PRECISIONS = ("auto", "tf32x3", "ieee")
-TF32X3_MAX_HEAD_DIM = 128
+TF32X3_MAX_HEAD_DIM = 128  # the backward and the other kernels
+FORWARD_TF32X3_MAX_HEAD_DIM = 256  # the forward kernel (attention_forward)
 
 
-def fp32_dot_precision(head_dim: int | None = None) -> str:
-    """``input_precision`` of fp32 ``tl.dot`` at padded ``head_dim`` (None: a small one)."""
+def fp32_dot_precision(head_dim: int | None = None, forward_pass: bool = False) -> str:
+    """``input_precision`` of fp32 ``tl.dot`` at padded ``head_dim`` (None: a small one), for the
+    forward kernel (``forward_pass``) or the others."""
     value = os.environ.get(FP32_DOTS_ENV, "auto")
     if value not in FP32_DOT_PRECISIONS:
         raise ValueError(f"{FP32_DOTS_ENV} must be one of {', '.join(FP32_DOT_PRECISIONS)}, got {value!r}")
     if value != "auto":
         return value
-    return "tf32x3" if head_dim is None or head_dim <= TF32X3_MAX_HEAD_DIM else "ieee"
+    limit = FORWARD_TF32X3_MAX_HEAD_DIM if forward_pass else TF32X3_MAX_HEAD_DIM
+    return "tf32x3" if head_dim is None or head_dim <= limit else "ieee"
 
 
-def kernel_dtypes(dtype: torch.dtype, head_dim: int | None = None):
-    """(ACC_DTYPE, DOT_PRECISION) for inputs of ``dtype`` at padded ``head_dim``.
+def kernel_dtypes(dtype: torch.dtype, head_dim: int | None = None, forward_pass: bool = False):
+    """(ACC_DTYPE, DOT_PRECISION) for inputs of ``dtype`` at padded ``head_dim`` (``forward_pass``:
+    for the forward kernel, see :func:`fp32_dot_precision`).
 
     Accumulate in fp32 (fp64 for the interpreter-only float64 used by gradcheck). fp32 inputs
     keep fp32 accuracy (:func:`fp32_dot_precision`): fp32 is the "exact" dtype of the course
@@ -171,7 +178,7 @@ def kernel_dtypes(dtype: torch.dtype, head_dim: int | None = None):
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     if dtype == torch.float64:
         return acc, "ieee"
-    return acc, fp32_dot_precision(head_dim) if dtype == torch.float32 else "tf32"
+    return acc, fp32_dot_precision(head_dim, forward_pass) if dtype == torch.float32 else "tf32"
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None):
@@ -193,7 +200,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
+    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d), forward_pass=True)
     lse = torch.empty((batch, heads, n_q), device=q.device,
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(),

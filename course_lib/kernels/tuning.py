@@ -76,6 +76,18 @@ def _small_tiles(head_dim: int, element_size: int) -> bool:
     return element_size >= 4 or head_dim > 128
 
 
+# fp32 above head dim 128 (padded: 256). There the backward keeps plain fp32 ("ieee") dots, which
+# Triton unrolls into FMAs per thread (forward.fp32_dot_precision): the work per thread, and with
+# it the compile time, grows with the tile sizes, and the tiles fp32 used before (dK/dV 32x64 and
+# dQ 64x32 on 4 warps) spilled 2-18 KB per thread and compiled for about a minute each on an H100.
+# Cross-compiled for sm_90 (NOTES.md, "fp32 dots"): these tiles compile in about 5 s on our CPU
+# (~11 s on the H100 machine's) with no spills. The forward uses tf32x3 dots, whose tensor-core
+# operands need shared memory: 32x32 tiles, one stage (96 KiB, every target). Measured on an H100
+# with tools/fp32_dots.py (NOTES.md).
+FP32_WIDE_HEAD_DIM = 128
+FP32_WIDE = {"forward": Blocks(32, 32, 4, 1), "dkdv": Blocks(16, 32, 8, 2), "dq": Blocks(32, 16, 4, 2)}
+
+
 def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | None = None,
                 causal: bool = False) -> Blocks:
     """The measured GPU config for ``kernel`` ("forward", "dkdv", "dq" or "fused", the one-pass
@@ -99,6 +111,8 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
         return Blocks(64, 128, 8, 3) if head_dim > 64 else Blocks(64, 64, 4, 3)
     if kernel == "fused":
         kernel = "dkdv"
+    if element_size >= 4 and head_dim > FP32_WIDE_HEAD_DIM and kernel in FP32_WIDE:
+        return FP32_WIDE[kernel]
     if _small_tiles(head_dim, element_size):
         return Blocks(32, 64, 4, 2) if kernel == "dkdv" else Blocks(64, 32, 4, 2)
     short_causal = causal and seq_len is not None and seq_len <= SHORT_CAUSAL_SEQ_LEN
