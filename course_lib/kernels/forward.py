@@ -72,13 +72,14 @@ def attention_forward_kernel(
         n_heads, n_q, n_k, qk_scale_log2,
         HEAD_DIM_REAL: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr = 0):
     """One program: one BLOCK_M tile of queries of one (batch, head).
 
-    Grid: cdiv(n_q, BLOCK_M) · B · H programs on one axis. Reads its Q tile once and each K, V
+    Grid: cdiv(n_q, BLOCK_M) · B · H programs on one axis, in ``ORDER`` (see
+    :func:`~course_lib.kernels.tiles.program_tile_ordered`). Reads its Q tile once and each K, V
     tile it can see once; writes BLOCK_M rows of O and LSE.
     """
-    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
+    pid_bh, b, h, start_m = tiles.program_tile_ordered(n_q, n_heads, BLOCK=BLOCK_M, ORDER=ORDER)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
     offs_d = tl.arange(0, HEAD_DIM)  # (HEAD_DIM,) columns, padded to a power of two
     d_mask = offs_d < HEAD_DIM_REAL
@@ -206,7 +207,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
     args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(),
             heads, n_q, n_k, scale * LOG2_E_FLOAT)
     meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), CAUSAL=bool(causal), ACC_DTYPE=acc_dtype,
-                DOT_PRECISION=precision)
+                DOT_PRECISION=precision, ORDER=tuning.causal_order() if causal else 0)
     if blocks is None and interpreted:
         blocks = tuning.INTERPRETER_FORWARD
     elif blocks is None and not tuning.autotune_enabled():  # the measured table, fitted to this GPU

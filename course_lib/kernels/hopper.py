@@ -81,9 +81,9 @@ def attention_forward_tma_kernel(
         n_heads, n_q, n_k, qk_scale_log2,
         HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO_STAGE: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr):
+        WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, ORDER: tl.constexpr = 0):
     """One program: one BLOCK_M tile of queries of one (batch, head); grid as chapter 06's kernel."""
-    pid_bh, b, h, start_m = tiles.program_tile(n_q, n_heads, BLOCK=BLOCK_M)
+    pid_bh, b, h, start_m = tiles.program_tile_ordered(n_q, n_heads, BLOCK=BLOCK_M, ORDER=ORDER)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this program
     q = desc_q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)  # rows >= n_q, cols >= d: 0
     if FP8:  # scores of e4m3 q and k, times their scales: the dequantization folds into one multiply
@@ -178,7 +178,8 @@ def _launch(q, k, v, o, lse, qk_scale, v_scale, causal, qk_scale_log2, acc_dtype
         lse, qk_scale, v_scale, heads, n_q, n_k, qk_scale_log2,
         HEAD_DIM=head_dim, CAUSAL=bool(causal), ACC_DTYPE=acc_dtype, DOT_PRECISION=precision,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, TWO_STAGE=two_stage, WARP_SPECIALIZE=warp_specialize,
-        FP8=fp8, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        FP8=fp8, ORDER=tuning.causal_order() if causal else 0, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages)
 
 
 def attention_forward_tma(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None,

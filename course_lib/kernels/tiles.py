@@ -47,6 +47,29 @@ def program_tile(n_rows, n_heads, BLOCK: tl.constexpr):
     return pid_bh, pid_bh // n_heads, pid_bh % n_heads, (pid % num_tiles) * BLOCK
 
 
+# Orders of a causal grid's programs (the query tiles that see the most keys are the last ones):
+ORDER_BY_HEAD: tl.constexpr = tl.constexpr(0)  # head by head, each head's tiles first to last
+ORDER_LONGEST_FIRST_PER_HEAD: tl.constexpr = tl.constexpr(1)  # head by head, each head's last tile first
+ORDER_LONGEST_FIRST: tl.constexpr = tl.constexpr(2)  # every head's last tile, then every head's ..., first
+
+
+@triton.jit
+def program_tile_ordered(n_rows, n_heads, BLOCK: tl.constexpr, ORDER: tl.constexpr):
+    """:func:`program_tile` with the programs in ``ORDER``: the GPU starts programs roughly in
+    order of their id, so under a causal mask, where the last query tile does the most work,
+    starting the long tiles first leaves only short ones for the end (less idle time at the tail)."""
+    if ORDER == ORDER_LONGEST_FIRST:
+        num_tiles = tl.cdiv(n_rows, BLOCK)
+        n_bh = tl.num_programs(0) // num_tiles
+        pid = tl.program_id(0)
+        pid_bh = pid % n_bh
+        return pid_bh, pid_bh // n_heads, pid_bh % n_heads, (num_tiles - 1 - pid // n_bh) * BLOCK
+    pid_bh, b, h, start = program_tile(n_rows, n_heads, BLOCK=BLOCK)
+    if ORDER == ORDER_LONGEST_FIRST_PER_HEAD:
+        start = (tl.cdiv(n_rows, BLOCK) - 1) * BLOCK - start
+    return pid_bh, b, h, start
+
+
 @triton.jit
 def head_start(X, b, h, stride_xb, stride_xh):
     """Pointer to ``X[b, h, 0, 0]``: the ``(N, d)`` matrix of one (batch, head)."""

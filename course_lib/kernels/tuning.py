@@ -66,6 +66,16 @@ def one_pass_pays(seq_len: int, head_dim: int, causal: bool) -> bool:
     return head_dim <= ONE_PASS_MAX_HEAD_DIM and not short_causal
 
 
+# The order of a causal forward's programs (kernels/tiles.py: 0 head by head, first tile first; 1
+# each head's last tile first; 2 every head's last tile first).
+CAUSAL_ORDER = 0
+
+
+def causal_order() -> int:
+    """The program order of the causal forward kernels (:data:`CAUSAL_ORDER`)."""
+    return CAUSAL_ORDER
+
+
 def autotune_enabled() -> bool:
     """True when ``COURSE_LIB_AUTOTUNE=1`` asks for Triton's autotuner instead of the table."""
     return os.environ.get(AUTOTUNE_ENV, "0") == "1"
