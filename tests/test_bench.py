@@ -31,11 +31,12 @@ def _toy():
 def test_recorded_file_schema():
     data = bench.load_recorded("h100")
     assert data is not None, "course_lib/data/benchmarks/h100.json is missing"
-    assert set(data["meta"]) == {"gpu", "driver", "torch", "triton", "date"}
+    assert set(data["meta"]) == {"gpu", "driver", "torch", "triton", "date", "timer"}
+    assert data["meta"]["timer"] in bench.TIMERS
     assert all(isinstance(data["meta"][key], str) and data["meta"][key] for key in data["meta"])
     assert data["rows"]
     for row in data["rows"]:
-        assert set(row) == ROW_KEYS, row
+        assert set(row) == ROW_KEYS | {"timer"} and row["timer"] in bench.TIMERS, row
         assert row["impl"] in bench.IMPLS and row["pass"] in bench.PASSES
         assert row["dtype"] in ("float16", "bfloat16") and isinstance(row["causal"], bool)
         assert row["tflops"] > 0 and row["peak_mib"] >= 0
