@@ -15,6 +15,7 @@ H100 choice (on sm_90) does not; a test runs it on a subset (tests/test_reach.py
 
     python -m course_lib.reach                       # every target, dtype and head dim (minutes)
     python -m course_lib.reach --targets 86 --dtypes float16 --head-dims 128 --check
+    python -m course_lib.reach --targets 90 --dtypes float32 --head-dims 256 --families attention --causal 0
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from course_lib.hardware import COMPUTE_TARGETS
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
+FAMILIES = ("attention", "decode")  # attention: forward (and its TMA variant) + backward; decode: split-KV
 SEQ_LENS = {"short": 1024, "long": 16384}  # the tables pick by sequence length (tuning.py)
 DECODE_CACHE_LEN = 16384
 DECODE_HEADS = (8, 2)  # query heads, K/V heads: a GQA group of 4, so the grouped kernel runs too
@@ -120,8 +122,9 @@ class StandInDriver:
 # The launches
 
 
-def _launches(dtypes, head_dims, arch: int):
-    """Yield (kernel family, dtype, d, causal, N, thunk) for every launch the library makes."""
+def _launches(dtypes, head_dims, arch: int, families=FAMILIES, causals=(False, True)):
+    """Yield (kernel family, dtype, d, causal, N, thunk) for every launch the library makes (of
+    ``families``, with the masks ``causals``)."""
     import torch
 
     from course_lib.kernels import backward, decoding, forward, hopper, tuning
@@ -130,7 +133,7 @@ def _launches(dtypes, head_dims, arch: int):
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for d in head_dims:
-            for causal in (False, True):
+            for causal in causals if "attention" in families else ():
                 for label, n in SEQ_LENS.items():
                     q = torch.zeros(1, 1, n, d, dtype=dtype)
 
@@ -145,6 +148,8 @@ def _launches(dtypes, head_dims, arch: int):
                             hopper.attention_forward_tma(q, q, q, causal, 0.125, blocks=blocks)
 
                         yield "attention_tma", dtype_name, d, causal, n, tma
+            if "decode" not in families:
+                continue
             q = torch.zeros(1, DECODE_HEADS[0], d, dtype=dtype)
             kv = torch.zeros(1, DECODE_HEADS[1], DECODE_CACHE_LEN, d, dtype=dtype)
             for grouped in (False, True):
@@ -154,7 +159,7 @@ def _launches(dtypes, head_dims, arch: int):
                 yield "decode" + ("_grouped" if grouped else ""), dtype_name, d, False, DECODE_CACHE_LEN, decode
 
 
-def _child(arch: int, dtypes, head_dims) -> None:
+def _child(arch: int, dtypes, head_dims, families=FAMILIES, causals=(False, True)) -> None:
     """Run in a fresh process: compile every launch for ``arch``; print one JSON line each."""
     os.environ["TRITON_INTERPRET"] = "0"
     from triton.runtime import driver
@@ -168,7 +173,7 @@ def _child(arch: int, dtypes, head_dims) -> None:
     hopper.ensure_descriptor_allocator = lambda: None  # nothing is allocated: nothing launches
     hopper.tma_unsupported_reason = lambda *tensors: None  # CPU tensors stand in for the GPU's
     seen = set()
-    for family, dtype, d, causal, n, launch in _launches(dtypes, head_dims, arch):
+    for family, dtype, d, causal, n, launch in _launches(dtypes, head_dims, arch, families, causals):
         error = None
         start = time.perf_counter()
         try:
@@ -225,10 +230,12 @@ def _record_fixed(arch, family, dtype, d, causal, n, seen) -> None:
 # The parent: one child per target, the table, the checks
 
 
-def survey(targets=tuple(COMPUTE_TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, jobs: int = 1) -> list[dict]:
+def survey(targets=tuple(COMPUTE_TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, jobs: int = 1,
+           families=FAMILIES, causals=(False, True)) -> list[dict]:
     """Compile every launch for each target (one child process per target) and return the rows."""
     cmds = [[sys.executable, "-m", "course_lib.reach", "--child", str(arch), "--dtypes", ",".join(dtypes),
-             "--head-dims", ",".join(map(str, head_dims))] for arch in targets]
+             "--head-dims", ",".join(map(str, head_dims)), "--families", ",".join(families),
+             "--causal", ",".join(str(int(c)) for c in causals)] for arch in targets]
     rows, running = [], []
     for cmd in cmds:
         running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -305,6 +312,8 @@ def main(argv=None) -> int:
                         help="compute capabilities as Triton numbers, e.g. 80,86,89,90 (default: all)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="e.g. float16,bfloat16,float32")
     parser.add_argument("--head-dims", type=_ints, default=HEAD_DIMS, help="padded head dims, e.g. 64,128")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="attention, decode or both (default)")
+    parser.add_argument("--causal", type=_ints, default=(0, 1), help="masks of the attention launches: 0, 1 or 0,1")
     parser.add_argument("--jobs", type=int, default=1, help="targets compiled at once (one process each)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--check", action="store_true",
@@ -313,13 +322,17 @@ def main(argv=None) -> int:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = tuple(args.dtypes.split(","))
+    families = tuple(args.families.split(","))
     unknown = [t for t in args.targets if t not in COMPUTE_TARGETS]
     if unknown or not set(dtypes) <= set(DTYPES):
         parser.error(f"targets must be among {sorted(COMPUTE_TARGETS)} and dtypes among {DTYPES}")
+    if not set(families) <= set(FAMILIES) or not set(args.causal) <= {0, 1}:
+        parser.error(f"families must be among {FAMILIES} and --causal among 0, 1")
+    causals = tuple(bool(c) for c in args.causal)
     if args.child is not None:
-        _child(args.child, dtypes, args.head_dims)
+        _child(args.child, dtypes, args.head_dims, families, causals)
         return 0
-    rows = survey(args.targets, dtypes, args.head_dims, args.jobs)
+    rows = survey(args.targets, dtypes, args.head_dims, args.jobs, families, causals)
     print(format_table(rows, args.verbose))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

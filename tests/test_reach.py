@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import astuple
 
 import pytest
 
@@ -78,6 +79,29 @@ def test_decode_candidates_lower_stages_then_tiles():
     assert got[:3] == [tuning.Blocks(16, 64, 4, s) for s in (3, 2, 1)]
     assert [b.block_n for b in got] == [64] * 3 + [32] * 3 + [16] * 3
     assert [b.block_n for b in tuning.decode_candidates(16, 128, shrink_block_n=False)] == [128] * 3
+
+
+def test_fp32_above_128_compiles_without_spills_for_every_gpu(tmp_path):
+    """fp32 at d=256 (tuning.FP32_WIDE): the backward's ieee tiles spill nothing on the H100, and
+    every kernel fits the smallest shared memory of the targets, so no GPU has to refit them."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "90", "--dtypes", "float32",
+                           "--head-dims", "256", "--families", "attention", "--causal", "0", "--check",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads(out.read_text()) if r["table"] is not None}
+    smallest = min(t.max_shared_bytes_per_block for t in COMPUTE_TARGETS.values())
+    for kernel, name in (("forward", "attention_forward_kernel"), ("dkdv", "dkdv_kernel"), ("dq", "dq_kernel")):
+        r = rows[name]
+        assert tuple(r["config"]) == tuple(r["table"]) == astuple(tuning.FP32_WIDE[kernel])
+        assert r["shared"] <= smallest, (name, r["shared"])
+    assert rows["dkdv_kernel"]["spill_bytes"] == rows["dq_kernel"]["spill_bytes"] == 0
+
+
+def test_reach_refuses_unknown_families():
+    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--families", "prefill"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "families must be among ('attention', 'decode')" in done.stderr
 
 
 def test_reach_refuses_unknown_targets():
