@@ -119,9 +119,10 @@ def test_library_path_choice(monkeypatch):
     assert not tuning.tma_enabled()
     monkeypatch.setenv(tuning.TMA_ENV, "1")
     assert tuning.tma_enabled()
-    assert tuning.hopper_forward(1024, False) == tuning.Blocks(64, 64, 4, 3)
-    assert tuning.hopper_forward(4096, True) == tuning.Blocks(64, 64, 4, 3)
-    assert tuning.hopper_forward(4096, False) == tuning.Blocks(128, 128, 8, 3)
+    assert tuning.hopper_forward(1024, True) == tuning.Blocks(64, 64, 4, 3)
+    assert tuning.hopper_forward(1024, False) == tuning.Blocks(128, 64, 4, 2)
+    assert tuning.hopper_forward(4096, True) == tuning.Blocks(128, 64, 4, 2)
+    assert tuning.hopper_forward(4096, False) == tuning.Blocks(128, 64, 4, 2)
     assert tuning.hopper_forward(16384, True) == tuning.Blocks(128, 128, 8, 3)
 
 

@@ -67,8 +67,11 @@ def one_pass_pays(seq_len: int, head_dim: int, causal: bool) -> bool:
 
 
 # The order of a causal forward's programs (kernels/tiles.py: 0 head by head, first tile first; 1
-# each head's last tile first; 2 every head's last tile first).
-CAUSAL_ORDER = 0
+# each head's last tile first; 2 every head's last tile first). Measured on an H100 (CUDA graphs,
+# tools/sweep_forward.py, the table's configs): 1 is +9% at N = 16k, d = 128 (the programs that
+# start last are short, so the SMs finish together) and within ±1% elsewhere; 2 is 35% slower at
+# N = 1k (running programs read the K/V of many heads at once: the L2 cache no longer holds them).
+CAUSAL_ORDER = 1
 
 
 def causal_order() -> int:
@@ -199,11 +202,17 @@ def tma_enabled() -> bool:
 
 
 def hopper_forward(seq_len: int, causal: bool) -> Blocks:
-    """The TMA forward's config at HEAD_DIM=128: 64x64 tiles on 4 warps for short or causal up to
-    4k sequences (more programs, less time in the diagonal band), 128x128 on 8 warps otherwise."""
-    if seq_len <= SHORT_CAUSAL_SEQ_LEN or (causal and seq_len <= 4 * SHORT_CAUSAL_SEQ_LEN):
+    """The TMA forward's config at HEAD_DIM=128, from the CUDA-graph sweep on an H100
+    (``tools/sweep_forward.py``, NOTES.md "2026-11-24: forward sweep"): 128x64 tiles on 4 warps
+    with 2 stages, 2-8% faster than 128x128 on 8 warps with 3 stages wherever it was tried first,
+    except short causal sequences (64x64 on 4 warps: more programs, less time in the diagonal
+    band) and long causal ones, where 128x128 on 8 warps with the longest tiles first
+    (:data:`CAUSAL_ORDER`) ran 4-7% faster than 128x64 in the order it was timed in."""
+    if causal and seq_len <= SHORT_CAUSAL_SEQ_LEN:
         return Blocks(64, 64, 4, 3)
-    return Blocks(128, 128, 8, 3)
+    if causal and seq_len > 4 * SHORT_CAUSAL_SEQ_LEN:
+        return Blocks(128, 128, 8, 3)
+    return Blocks(128, 64, 4, 2)
 
 
 # GPU candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
