@@ -479,20 +479,3 @@ def test_plans_are_built_once_per_shape(monkeypatch):
     api.flash_attention(q, k, v, seq_lens=torch.tensor([20]))  # lengths: planned on every call
     api.flash_attention(q, k, v, seq_lens=torch.tensor([20]))
     assert len(built) == 5
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_dkdv_walks_each_q_tile_in_parts(causal, monkeypatch):
-    """On a GPU at d >= 128 the dK/dV kernel takes each listed Q tile in 64-row parts
-    (masked.dkdv_sub_m); here a 32-row tile in 16-row parts, with a window, ragged lengths and
-    GQA, gives the reference gradients."""
-    from course_lib import flash_attention
-    from course_lib.kernels import masked
-
-    monkeypatch.setattr(masked, "tile_sizes", lambda head_dim, dtype: (32, 32))
-    monkeypatch.setattr(masked, "dkdv_sub_m", lambda block_m, head_dim: block_m // 2)
-    lens = torch.tensor([45, 29])
-    q, k, v = leaves([(2, 4, 45, 16), (2, 2, 45, 16), (2, 2, 45, 16)], seed=5)
-    mask = element_mask(45, 45, causal, (9, 3), lens, lens, batch=2)
-    check(lambda q, k, v: flash_attention(q, k, v, causal=causal, window=(9, 3), seq_lens=lens.to(q.device)),
-          q, k, v, mask)

@@ -268,49 +268,33 @@ def _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_
                   idx_ptr, count, offs_m, offs_n, d_mask, n_q_b, n_k_b, lo, hi, doc_k, doc_q_ptr,
                   mask_col_ptrs, stride_mn, qk_scale_log2, MASKED: tl.constexpr, BAND: tl.constexpr,
                   DOCS: tl.constexpr, DENSE_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add the contributions of the ``count`` Q tiles listed at ``idx_ptr`` to dK, dV (transposed
-    tiles: keys along the rows). Each BLOCK_M tile is taken SUB_M rows at a time (``offs_m`` is
-    ``arange(SUB_M)``): the score tiles of a whole 128-row tile do not fit the registers next to
-    the dK, dV accumulators at d = 128."""
+    tiles: keys along the rows)."""
     for i in range(0, count):
-        for part in tl.static_range(BLOCK_M // SUB_M):
-            dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don,
-                                start_q, tl.load(idx_ptr + i) * BLOCK_M + part * SUB_M, offs_m, offs_n, d_mask,
-                                n_q_b, n_k_b, lo, hi, doc_k, doc_q_ptr, mask_col_ptrs, stride_mn, qk_scale_log2,
-                                MASKED=MASKED, BAND=BAND, DOCS=DOCS, DENSE_MASK=DENSE_MASK, ACC_DTYPE=ACC_DTYPE,
-                                DOT_PRECISION=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_rows(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don, start_q,
-               start_m, offs_m, offs_n, d_mask, n_q_b, n_k_b, lo, hi, doc_k, doc_q_ptr, mask_col_ptrs,
-               stride_mn, qk_scale_log2, MASKED: tl.constexpr, BAND: tl.constexpr, DOCS: tl.constexpr,
-               DENSE_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One step of :func:`_dkdv_q_tiles`: the queries ``start_m + offs_m``."""
-    rows = start_m + offs_m  # (SUB_M,) sample-local queries
-    row_real = rows < n_q_b  # even a FULL tile may hold rows past the sample: masked loads
-    q_mask = row_real[:, None] & d_mask[None, :]
-    q = tl.load(q_base + (start_q + rows)[:, None] * stride_qn, mask=q_mask, other=0.0)
-    do = tl.load(do_base + (start_q + rows)[:, None] * stride_don, mask=q_mask, other=0.0)
-    lse = tl.load(stats_base + rows, mask=row_real, other=float("-inf"))
-    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)  # empty rows: P = 0
-    delta = tl.load(delta_base + rows, mask=row_real, other=0.0)
-    s_t = tiles.scores_log2(k, q, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
-    p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, SUB_M)
-    if MASKED:
-        doc_q = rows[None, :]
-        if DOCS:
-            doc_q = tl.load(doc_q_ptr + rows, mask=row_real, other=-1)[None, :]
-        seen_t = visible(rows[None, :], offs_n[:, None], n_q_b, n_k_b, lo, hi, doc_q, doc_k,
-                         mask_col_ptrs + rows[None, :] * stride_mn, BAND=BAND, DOCS=DOCS,
-                         DENSE_MASK=DENSE_MASK)
-        p_t = tl.where(seen_t, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        start_m = tl.load(idx_ptr + i) * BLOCK_M
+        rows = start_m + offs_m  # (BLOCK_M,) sample-local queries
+        row_real = rows < n_q_b  # even a FULL tile may hold rows past the sample: masked loads
+        q_mask = row_real[:, None] & d_mask[None, :]
+        q = tl.load(q_base + (start_q + rows)[:, None] * stride_qn, mask=q_mask, other=0.0)
+        do = tl.load(do_base + (start_q + rows)[:, None] * stride_don, mask=q_mask, other=0.0)
+        lse = tl.load(stats_base + rows, mask=row_real, other=float("-inf"))
+        lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)  # empty rows: P = 0
+        delta = tl.load(delta_base + rows, mask=row_real, other=0.0)
+        s_t = tiles.scores_log2(k, q, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASKED:
+            doc_q = rows[None, :]
+            if DOCS:
+                doc_q = tl.load(doc_q_ptr + rows, mask=row_real, other=-1)[None, :]
+            seen_t = visible(rows[None, :], offs_n[:, None], n_q_b, n_k_b, lo, hi, doc_q, doc_k,
+                             mask_col_ptrs + rows[None, :] * stride_mn, BAND=BAND, DOCS=DOCS,
+                             DENSE_MASK=DENSE_MASK)
+            p_t = tl.where(seen_t, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return dk, dv
 
 
@@ -406,7 +390,7 @@ def masked_dkdv_kernel(
         CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
         RAGGED: tl.constexpr, VARLEN: tl.constexpr, DOCS: tl.constexpr, DENSE_MASK: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dK, dV for one K/V tile of one (sample, K/V head), summed over the query heads
     of its group; it walks the transposed lists (the Q tiles that see this K/V tile). Works with
     transposed score tiles (keys along the rows), as chapter 07's dK/dV kernel."""
@@ -418,7 +402,7 @@ def masked_dkdv_kernel(
     lo, hi = band(n_q_b, n_k_b, win_left, win_right, CAUSAL=CAUSAL, CAUSAL_BOTTOM_RIGHT=CAUSAL_BOTTOM_RIGHT)
 
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) sample-local keys of this program
-    offs_m = tl.arange(0, SUB_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < HEAD_DIM_REAL
     key_real = offs_n < n_k_b
@@ -447,13 +431,13 @@ def masked_dkdv_kernel(
                                d_mask, n_q_b, n_k_b, lo, hi, doc_k, DOC_Q + b * stride_docq, mask_col_ptrs,
                                stride_mn, qk_scale_log2, MASKED=False, BAND=BAND, DOCS=DOCS,
                                DENSE_MASK=DENSE_MASK, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
-                               BLOCK_M=BLOCK_M, SUB_M=SUB_M)
+                               BLOCK_M=BLOCK_M)
         dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don,
                                start_q, PART_IDX + lrow * list_len, tl.load(PART_NUM + lrow), offs_m, offs_n,
                                d_mask, n_q_b, n_k_b, lo, hi, doc_k, DOC_Q + b * stride_docq, mask_col_ptrs,
                                stride_mn, qk_scale_log2, MASKED=True, BAND=BAND, DOCS=DOCS,
                                DENSE_MASK=DENSE_MASK, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
-                               BLOCK_M=BLOCK_M, SUB_M=SUB_M)
+                               BLOCK_M=BLOCK_M)
 
     dk = dk * scale
     if VARLEN:
@@ -513,20 +497,6 @@ def launch_blocks(head_dim: int, dtype: torch.dtype) -> dict[str, tuning.Blocks]
     return {"forward": fwd,
             "dq": tuning.Blocks(fwd.block_m, fwd.block_n, max(dq.num_warps, fwd.num_warps), dq.num_stages),
             "dkdv": tuning.Blocks(fwd.block_m, fwd.block_n, fwd.num_warps, 2)}
-
-
-# The dK/dV kernel takes each listed Q tile this many rows at a time on a GPU at padded head dims
-# above 64 (cross-compiled for sm_90, fp16, d=128, 128-row Q tiles: 320 bytes of spills in one
-# step, none in two 64-row steps). 0: the whole tile at once.
-DKDV_SUB_M = 64
-DKDV_SUB_M_MIN_HEAD_DIM = 128
-
-
-def dkdv_sub_m(block_m: int, head_dim: int) -> int:
-    """Rows per step of the masked dK/dV kernel's walk over a Q tile (see :data:`DKDV_SUB_M`)."""
-    if _rt.interpreted or padded_head_dim(head_dim) < DKDV_SUB_M_MIN_HEAD_DIM or not DKDV_SUB_M:
-        return block_m
-    return min(block_m, DKDV_SUB_M)
 
 
 def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -664,6 +634,5 @@ def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
     masked_dkdv_kernel[(bmask.shape[-1], samples * n_kv_heads)](
         qw, kw, vw, dow, lse, delta, dk, dv, *common, *_batch_strides(dk, plan), *_lse_strides(lse, plan),
         *rule_args, n_kv_heads, group, n_q, n_k, win_left, win_right, scale, scale * LOG2_E_FLOAT,
-        **meta, **rule_meta, SUB_M=dkdv_sub_m(bmask.block_m, d), num_warps=dkdv_blocks.num_warps,
-        num_stages=dkdv_blocks.num_stages)
+        **meta, **rule_meta, num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
