@@ -235,9 +235,13 @@ def test_gqa_without_mask_matches_sdpa():
     """GQA alone routes to the masked kernels (dense tiles); SDPA's enable_gqa is the reference."""
     from course_lib import flash_attention
 
-    q, k, v = leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], dtype=torch.float64, seed=8)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert rel_err(flash_attention(q, k, v, causal=True), ref) < 1e-10
+    from course_lib import runtime
+
+    dtype = torch.float64 if runtime.current().interpreted else torch.float32  # float64: interpreter only
+    q, k, v = leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], dtype=dtype, seed=8)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), is_causal=True,
+                                                           enable_gqa=True)
+    assert rel_err(flash_attention(q, k, v, causal=True), ref) < TOL[dtype]
 
 
 def test_rows_with_no_visible_key():

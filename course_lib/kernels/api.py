@@ -283,12 +283,10 @@ def _validate_lengths(name: str, lens, batch: int, n: int, device) -> torch.Tens
                         f"{getattr(lens, 'dtype', '')}")
     if lens.shape != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
-    if lens.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {lens.device}")
-    values = lens.tolist()
+    values = lens.tolist()  # checked on the host; lengths on the CPU are copied to q's device
     if any(x < 0 or x > n for x in values):
         raise ValueError(f"{name} must lie in [0, {n}] (the padded length), got {values}")
-    return lens.to(torch.int32).contiguous()
+    return lens.to(device=device, dtype=torch.int32).contiguous()
 
 
 def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
@@ -312,9 +310,11 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
         if b_m not in (1, batch) or h_m not in (1, heads):
             raise ValueError(f"block_mask has leading dims ({b_m}, {h_m}); expected (1 or B={batch}, "
                              f"1 or H={heads})")
-        if block_mask.device != q.device:
-            raise ValueError(f"block_mask is on {block_mask.device}, the inputs on {q.device}: use "
-                             f"block_mask.to(device)")
+        if block_mask.device != q.device:  # built on the CPU (the builders' default): copied once
+            copies = block_mask.__dict__.setdefault("_copies", {})
+            if str(q.device) not in copies:
+                copies[str(q.device)] = block_mask.to(q.device)
+            block_mask = copies[str(q.device)]
         block_m, block_n = block_mask.block_size
         # the element rules a builder stored in the block mask count as if passed here
         causal = causal or block_mask.causal
@@ -395,9 +395,7 @@ def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, d
                         f"{getattr(cu, 'dtype', '')}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must have shape (B + 1,) with B >= 1, got {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
-    values = cu.tolist()
+    values = cu.tolist()  # checked on the host; offsets on the CPU are copied to q's device
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -410,7 +408,7 @@ def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, d
         raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lengths)})")
-    cu32 = cu.to(torch.int32)
+    cu32 = cu.to(device=device, dtype=torch.int32)
     return cu32[:-1].contiguous(), (cu32[1:] - cu32[:-1]).contiguous()
 
 
