@@ -36,7 +36,7 @@ def reference(q, k, v, mask, scale=None):
     v = v.double().repeat_interleave(heads // kv_heads, dim=-3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = scale * (q.double() @ k.transpose(-1, -2))
-    mask = mask.expand_as(s)
+    mask = mask.to(s.device).expand_as(s)
     seen = mask.any(-1, keepdim=True)
     s = torch.where(mask, s, float("-inf"))
     s = torch.where(seen, s, 0.0)  # empty rows: finite scores, zeroed below (no NaN anywhere)
