@@ -212,11 +212,18 @@ def test_keyboard_interrupt_raised_by_the_learner_is_a_diagnosis(capsys):
 
 
 def test_a_real_interrupt_still_stops_the_check(capsys):
+    # A kernel's SIGINT handler is Python's default one; a test that ran earlier in this pytest
+    # worker (a library that installs its own) must not decide what this test sees.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def pressed_interrupt(x):  # what Jupyter's Interrupt button does: SIGINT to the process
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)  # the handler runs before this ends
-    with pytest.raises(KeyboardInterrupt) as info:
-        check_function("Exercise 9.9", pressed_interrupt, ref, cases())
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            check_function("Exercise 9.9", pressed_interrupt, ref, cases())
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not isinstance(info.value, ExerciseFailed)
     _assert_next_check_passes(capsys)
 
