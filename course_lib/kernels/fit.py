@@ -109,14 +109,17 @@ def choose(kernel, candidates, args: tuple, meta: dict, block_args=_tile_args) -
     """
     from triton.runtime import driver
 
-    candidates = tuple(dict.fromkeys(candidates))  # keep order, drop repeats
+    # The cache key is built on every launch, so it stays cheap: the dtypes of the arguments that
+    # have one (tensors), not a string per argument.
+    candidates = tuple(candidates)
     target = driver.active.get_current_target()
     device = driver.active.get_current_device()
-    dtypes = tuple(str(getattr(a, "dtype", type(a).__name__)) for a in args)
+    dtypes = tuple(getattr(a, "dtype", None) for a in args)
     key = (target.arch, device, kernel.fn.__name__, tuple(sorted(meta.items())), dtypes, candidates)
     found = CHOICES.get(key)
     if found is not None:
         return found.chosen.blocks
+    candidates = tuple(dict.fromkeys(candidates))  # keep order, drop repeats
     tried = []
     for blocks in candidates:
         loaded = _load(kernel, blocks, args, meta, block_args)
