@@ -659,6 +659,28 @@ def _chapter_07() -> list:
                                "two."),
             ),
         ),
+        _move_answer(2, MultipleChoice(
+            "The one-pass backward adds each K/V tile's share of dQ into an fp32 buffer with "
+            "atomic adds. Why can two runs on a GPU give dQ values that differ in the last bits?",
+            choices=(
+                "fp32 addition is not associative, and the adds arrive in a different order each run",
+                "Atomic adds drop a contribution when two programs add to the same element at once",
+                "The buffer is rounded to q's dtype after every add",
+                "Each program visits its query tiles in a random order",
+            ),
+            answer=0,
+            explanations=(
+                "(a + b) + c and a + (b + c) can round differently. Which program adds to a dQ row "
+                "first depends on how the GPU schedules them, so the sums differ in their last "
+                "bits; deterministic=True keeps the two-kernel backward, whose dQ has one owner.",
+                "An atomic add never loses a contribution: that is what atomic means. Every "
+                "share is added; only the order changes.",
+                "The buffer stays fp32 until every program is done; it is rounded once at the "
+                "end.",
+                "Each program walks its query tiles in a fixed order; what varies is the order "
+                "in which different programs reach the same dQ row.",
+            ),
+        )),
     ]
 
 
