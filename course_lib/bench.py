@@ -58,6 +58,15 @@ MIB = 2**20
 # Measuring (GPU only)
 
 
+def add_grid_arguments(parser) -> None:
+    """The grid options the GPU sweep tools share (comma-separated, the whole grid by default):
+    ``--dtypes``, ``--head-dims``, ``--seq-lens``, ``--causal`` (0 and/or 1)."""
+    parser.add_argument("--dtypes", default=",".join(GRID["dtype"]))
+    parser.add_argument("--head-dims", default=",".join(map(str, GRID["d"])))
+    parser.add_argument("--seq-lens", default=",".join(map(str, GRID["N"])))
+    parser.add_argument("--causal", default="0,1")
+
+
 def problem_shape(n: int, d: int, tokens: int = TOKENS, model_dim: int = MODEL_DIM):
     """(batch, heads) for one grid cell: batch · N = tokens, heads · d = model_dim."""
     return max(1, tokens // n), max(1, model_dim // d)
@@ -111,7 +120,6 @@ def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
             tokens: int = TOKENS, model_dim: int = MODEL_DIM, timer: str = "cudagraph") -> dict | None:
     """Time one implementation on one cell; return a result row, or None if it cannot run."""
     import torch
-    import triton
 
     batch, heads = problem_shape(n, d, tokens, model_dim)
     if impl == "naive" and batch * heads * n * n > NAIVE_MAX_SCORE_ENTRIES:

@@ -151,3 +151,17 @@ def test_one_pass_table_shows_each_recorded_cell_and_its_ratio(tmp_path):
     assert len(lines) == 4 and "GPU X" in lines[-1] and "2026-01-02" in lines[-1]
     assert lines[2].split()[-1] == "1.25x" and "999" not in lines[2]
     assert len(bench.one_pass_table().splitlines()) == 3 + 24  # the recorded H100 grid
+
+
+def test_grid_arguments_default_to_the_whole_grid():
+    import argparse
+
+    from course_lib import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_grid_arguments(parser)
+    args = parser.parse_args([])
+    assert args.dtypes.split(",") == list(bench.GRID["dtype"])
+    assert list(map(int, args.head_dims.split(","))) == list(bench.GRID["d"])
+    assert list(map(int, args.seq_lens.split(","))) == list(bench.GRID["N"])
+    assert parser.parse_args(["--causal", "1"]).causal == "1"

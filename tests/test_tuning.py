@@ -101,3 +101,12 @@ def test_one_pass_backward_is_the_default_only_where_it_paid():
     assert not tuning.one_pass_pays(16384, 128, causal=False)
     assert tuning.gpu_default("fused", 64, 2) == tuning.Blocks(64, 64, 4, 3)
     assert tuning.gpu_candidates("fused", 128, 2)[0] == tuning.Blocks(64, 128, 8, 3)
+
+
+def test_parse_blocks_reads_the_tools_config_form():
+    from course_lib.kernels import tuning
+
+    assert tuning.parse_blocks("64/128/8/3") == tuning.Blocks(64, 128, 8, 3)
+    for bad in ("64/128/8", "64x128/8/3/1", "a/b/c/d"):
+        with pytest.raises(ValueError, match="a config must read BLOCK_M/BLOCK_N/warps/stages"):
+            tuning.parse_blocks(bad)

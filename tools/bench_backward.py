@@ -26,11 +26,10 @@ DEFAULT_CONFIGS = {64: "32/128/4/3,64/128/8/3,64/128/8/2,64/64/4/3,64/64/4/2,32/
 
 
 def main(argv=None) -> int:
+    from course_lib import bench
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="float16,bfloat16")
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seq-lens", default="1024,4096,16384")
-    parser.add_argument("--causal", default="0,1")
+    bench.add_grid_arguments(parser)
     parser.add_argument("--modes", default="atomic,tma")
     parser.add_argument("--configs", default="", help="BLOCK_M/BLOCK_N/warps/stages,... for every d; "
                         "'table' is the library's own choice")
@@ -40,9 +39,8 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from course_lib import bench, runtime
+    from course_lib import runtime
     from course_lib.kernels import backward, forward, tuning
-    from course_lib.kernels.tuning import Blocks
 
     runtime.setup()
     modes = {"atomic": backward.DQ_ATOMIC.value, "tma": backward.DQ_TMA.value}
@@ -52,7 +50,7 @@ def main(argv=None) -> int:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for d in map(int, args.head_dims.split(",")):
-            configs = [None if c == "table" else Blocks(*map(int, c.split("/")))
+            configs = [None if c == "table" else tuning.parse_blocks(c)
                        for c in (args.configs or DEFAULT_CONFIGS[d]).split(",")]
             for n in map(int, args.seq_lens.split(",")):
                 for causal in (c == "1" for c in args.causal.split(",")):

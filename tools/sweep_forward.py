@@ -18,20 +18,18 @@ CANDIDATES = {64: "128/64/8/3,128/64/4/2,128/64/4/3,64/64/4/3,64/64/4/2,128/128/
 
 
 def main(argv=None) -> int:
+    from course_lib import bench
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="float16,bfloat16")
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seq-lens", default="1024,4096,16384")
-    parser.add_argument("--causal", default="0,1")
+    bench.add_grid_arguments(parser)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
 
     import torch
     import triton
 
-    from course_lib import bench, runtime
+    from course_lib import runtime
     from course_lib.kernels import api, tuning
-    from course_lib.kernels.tuning import Blocks
 
     runtime.setup()
     rows = []
@@ -45,7 +43,7 @@ def main(argv=None) -> int:
                     fl = bench.flops(batch, heads, n, d, causal, "fwd")
                     tma = api.hopper.library_uses_tma(q, k, v)
                     variants = [("table", None, 0)]
-                    variants += [(c, Blocks(*map(int, c.split("/"))), 0) for c in CANDIDATES[d].split(",")]
+                    variants += [(c, tuning.parse_blocks(c), 0) for c in CANDIDATES[d].split(",")]
                     if causal:
                         variants += [(f"table order {o}", None, o) for o in (1, 2)]
                     for label, blocks, order in variants:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 
 def main(argv=None) -> int:
@@ -36,7 +35,7 @@ def main(argv=None) -> int:
     from course_lib.kernels.tuning import Blocks
 
     if args.configs:
-        configs = [Blocks(*map(int, c.split("/"))) for c in args.configs.split(",")]
+        configs = [tuning.parse_blocks(c) for c in args.configs.split(",")]
     else:
         configs = [Blocks(m, n, w, s) for (m, n) in ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (128, 128))
                    for w in (4, 8) for s in (2, 3)]

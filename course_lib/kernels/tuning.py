@@ -39,6 +39,14 @@ class Blocks:
     num_stages: int = 1
 
 
+def parse_blocks(text: str) -> Blocks:
+    """``"BLOCK_M/BLOCK_N/warps/stages"`` (the sweep tools' command-line form) as :class:`Blocks`."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"a config must read BLOCK_M/BLOCK_N/warps/stages, e.g. 64/64/4/3, got {text!r}")
+    return Blocks(*map(int, parts))
+
+
 # Interpreter: fewest programs for notebook sizes (N <= 512), still several tiles per row.
 INTERPRETER_FORWARD = Blocks(block_m=64, block_n=64)
 INTERPRETER_BACKWARD = Blocks(block_m=64, block_n=64)
