@@ -1,0 +1,440 @@
+"""A FlashAttention forward for Hopper written in Gluon (chapter 09, last section).
+
+Triton decides for us where each tile lives, how the warps share the work and when to wait for
+the tensor cores. Gluon (``triton.experimental.gluon``) is Triton's lower level: the same
+Python-like language, but *we* choose every layout (which thread holds which element), allocate
+shared memory, issue the TMA copies, arm the barriers that say "this copy has landed", and decide
+when to wait for an asynchronous matrix product. That is what FlashAttention-3 does in CUDA, and
+what this file does in Python, one decision at a time.
+
+The kernel is the forward of :mod:`course_lib.kernels.hopper` (same inputs, same ``(o, lse)``),
+in three variants that build on one another, chosen by :data:`VARIANTS`:
+
+- ``"tma"`` (design a): K/V tiles arrive by TMA into a ring of ``STAGES`` shared-memory slots,
+  each slot with an mbarrier; Q is copied once; ``S = Q Kᵀ`` and ``O += P V`` run on the tensor
+  cores with ``warpgroup_mma`` (Hopper's ``wgmma``), P straight from registers; softmax in exp2
+  with the scale folded in; masks only on the tiles that need them (the diagonal band and the
+  ragged end come last, so the other tiles skip the mask).
+- ``"overlap"`` (design b, FA3's intra-warpgroup overlap): the product ``S_{j+1} = Q K_{j+1}ᵀ`` is
+  issued *before* the softmax of tile j and waited for after it, so the tensor cores work while
+  the warps compute exponentials (``wgmma.wait_group 1`` in the PTX: wait until at most one
+  product is still running).
+- ``"ws"`` (design c): ``gl.warp_specialize`` splits the program into a 1-warp producer that
+  only issues TMA copies (with few registers: ``setmaxnreg`` in the PTX) and the two consumer
+  warpgroups (8 warps, 64 query rows each) that do the matmuls and the softmax with the overlap
+  of design b. The producer waits on "slot empty" barriers, the consumers on "slot full" ones.
+
+Not covered (the launcher raises ValueError): head dims other than 64 and 128, dtypes other than
+fp16/bf16, ``N_q != N_k``, tensors TMA cannot read (see :func:`gluon_unsupported_reason`).
+Ping-pong scheduling between the two consumer warpgroups (FA3's inter-warpgroup overlap) is not
+here: see the NOTES of chapter 09.
+
+Gluon is experimental and changed between Triton 3.6 and 3.7; everything below compiles under
+both (``tests/test_gluon_hopper.py`` cross-compiles each variant for sm_90 without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from course_lib import constants
+
+try:  # Gluon is experimental: a Triton without it keeps the rest of the library working
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_IMPORT_ERROR = None
+except ImportError as err:  # pragma: no cover - depends on the installed Triton
+    GLUON_IMPORT_ERROR = f"triton {triton.__version__} has no usable gluon: {err}"
+
+# The variants, in the order the chapter builds them (design a, b, c of the section).
+VARIANTS = ("tma", "overlap", "ws")
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+TMA_ALIGN_BYTES = 16
+LOG2_E = constants.LOG2_E  # the host folds it into the score scale: exp(x) = exp2(x · log2 e)
+
+
+def available() -> bool:
+    """Whether ``triton.experimental.gluon`` imported (it is experimental)."""
+    return GLUON_IMPORT_ERROR is None
+
+
+def config(variant: str, head_dim: int) -> dict:
+    """The launch config of one variant: tiles, ring depth, warps, producer registers.
+
+    BLOCK_M = 128 query rows = two warpgroups of 64 rows (a wgmma is issued by one warpgroup and
+    covers 64 rows); BLOCK_N = 128 keys per tile at d=64, 128 at d=128 with 2 slots
+    (Q 32 KiB + 2 × (K 32 KiB + V 32 KiB) = 160 KiB of the 227 KiB an H100 block may use).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2 if head_dim == 128 else 3, "num_warps": 8,
+            "LOADER_REGS": 24}
+
+
+if GLUON_IMPORT_ERROR is None:
+    LN_2 = gl.constexpr(constants.LN_2)  # lse in natural log = log2-units value · ln 2
+
+    # ------------------------------------------------------------------------------------------
+    # Layouts. A *distributed* layout says which thread holds which element of a register
+    # tensor; a *shared* layout says how a tile is laid out (and swizzled) in shared memory.
+
+    @gluon.jit
+    def _tile_coords(n_heads, n_q, BLOCK_M: gl.constexpr):
+        """(b, h, start_m) of this program: axis 0 walks the query tiles, axis 1 the (b, h) pairs."""
+        start_m = gl.program_id(0) * BLOCK_M
+        pid_bh = gl.program_id(1)
+        return pid_bh // n_heads, pid_bh % n_heads, start_m, pid_bh
+
+    @gluon.jit
+    def _tile2d(ring, slot):
+        """Slot ``slot`` of a ring ``(STAGES, 1, 1, rows, d)`` as the 2-D ``(rows, d)`` view wgmma reads."""
+        tile = ring.index(slot)
+        return tile.reshape([tile.shape[2], tile.shape[3]])
+
+    @gluon.jit
+    def _kv_tiles(start_m, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(n_tiles, n_full): key tiles this program visits, and how many of the first ones need
+        no mask (fully inside the keys and, when causal, fully left of the diagonal). The rest (the
+        diagonal band, the ragged last tile) come after them and are masked."""
+        if CAUSAL:
+            kv_end = gl.minimum(start_m + BLOCK_M, n_k)
+            n_full = gl.minimum((start_m + 1) // BLOCK_N, n_k // BLOCK_N)
+        else:
+            kv_end = n_k
+            n_full = n_k // BLOCK_N
+        return gl.cdiv(kv_end, BLOCK_N), n_full
+
+    @gluon.jit
+    def _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Ask the TMA engine for K and V of key tile ``t`` into ring slot ``t % STAGES``.
+
+        ``expect`` tells the slot's barrier how many bytes will land; the barrier's phase flips
+        once they all have. ``pred``: nothing is issued for a tile past the end (the prologue asks
+        for STAGES tiles even when there are fewer)."""
+        slot = t % STAGES
+        pred = t < n_tiles
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes, pred)  # K and V tiles: same size
+        tma.async_copy_global_to_shared(k_desc, [b, h, t * BLOCK_N, 0], bar, k_ring.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [b, h, t * BLOCK_N, 0], bar, v_ring.index(slot), pred=pred)
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2, s_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """One online-softmax step on the raw scores ``s`` of key tile ``t`` (layout ``s_layout``).
+
+        Returns (m_new, p, alpha, l_new): the new running max (log2 units), the unnormalized
+        probabilities, the factor that rescales what was accumulated before, the new row sums."""
+        s = s * qk_scale_log2  # scale · log2(e) folded into one multiply: exp2 below is exp
+        if t >= n_full:  # the diagonal band or the ragged end: hide the keys a row must not see
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = cols[None, :] < n_k  # keys past N were read as zeros by TMA
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # every row sees key 0 in tile 0: never -inf
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, p, alpha, l_new
+
+    @gluon.jit
+    def _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m, n_k,
+                  qk_scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+                  LOADS_HERE: gl.constexpr, num_warps: gl.constexpr):
+        """The matmuls and the softmax over every key tile; returns (acc, m_i, l_i).
+
+        ``LOADS_HERE``: these warps also issue the TMA copies (designs a and b); otherwise a
+        producer partition does, and these warps tell it, by arriving on ``empty``, when a slot
+        may be overwritten (design c)."""
+        # The accumulator layouts of the two products. version=[3, 0] is Hopper's wgmma; the warps
+        # are stacked along the rows ([num_warps, 1]: each warp owns 16 rows, so warps 0-3, the
+        # first warpgroup, own rows 0-63 and warps 4-7 rows 64-127); instr_shape=[16, n, 16]: one
+        # instruction makes a 16 × n block of the output with k = 16 (16-bit inputs).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # S: (BLOCK_M, BLOCK_N)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])  # O: (BLOCK_M, d)
+        # P is the *first* operand of O += P V and comes from registers: wgmma wants it in the
+        # "dot operand" layout of O's product (k_width = 2 16-bit values per 32-bit register).
+        # From S's accumulator layout this conversion moves no data between threads (FA3's trick).
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        n_tiles, n_full = _kv_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+        if LOADS_HERE:  # prologue: fill the ring (the copies run while we wait for Q)
+            for i in gl.static_range(STAGES):
+                _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, i, n_tiles, BLOCK_N, STAGES)
+        mbarrier.wait(q_bar, 0)  # Q has landed (its barrier completes phase 0 once)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)  # use_acc=False ignores it
+
+        if OVERLAP:
+            # Tile 0 alone: its S and softmax; its P V is issued in the loop's first iteration.
+            mbarrier.wait(ready.index(0), 0)
+            s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, 0, n_full, start_m, n_k, qk_scale_log2,
+                                               s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            for t in range(1, n_tiles):
+                slot = t % STAGES
+                prev = (t - 1) % STAGES
+                mbarrier.wait(ready.index(slot), (t // STAGES) & 1)  # K_t, V_t have landed
+                # Two asynchronous products in flight, in this order: S_t = Q K_tᵀ, then
+                # O += P_{t-1} V_{t-1}. wgmma groups finish in order, so "at most 1 pending"
+                # means S_t is done while O's product may still run: the softmax of tile t below
+                # overlaps it.
+                s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                o_tok = warpgroup_mma(p_op, _tile2d(v_ring, prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
+                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2,
+                                                   s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+                # Now O's product must be done before we rescale it. p_op is in the deps so that
+                # its registers stay untouched until the product that reads them has finished.
+                acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                # Slot prev (K_{t-1}, V_{t-1}) is no longer read by any product: reuse it.
+                if LOADS_HERE:
+                    _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t - 1 + STAGES, n_tiles, BLOCK_N,
+                              STAGES)
+                else:
+                    mbarrier.arrive(empty.index(prev), count=1)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            last = (n_tiles - 1) % STAGES  # the last tile's P V
+            o_tok = warpgroup_mma(p_op, _tile2d(v_ring, last), acc, is_async=True)
+            acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            if not LOADS_HERE:
+                mbarrier.arrive(empty.index(last), count=1)
+        else:
+            for t in range(0, n_tiles):
+                slot = t % STAGES
+                mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+                # K_t is stored (BLOCK_N, HEAD_DIM), K-major; permute gives the (HEAD_DIM, BLOCK_N)
+                # view that wgmma reads as Kᵀ without moving any data.
+                s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2,
+                                                   s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                o_tok = warpgroup_mma(p_op, _tile2d(v_ring, slot), acc, is_async=True)
+                acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                if LOADS_HERE:
+                    _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t + STAGES, n_tiles, BLOCK_N, STAGES)
+                else:
+                    mbarrier.arrive(empty.index(slot), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """The producer partition (design c): one warp that only issues TMA copies.
+
+        Before refilling slot s it waits on ``empty[s]``, which the consumers arrive on once the
+        products reading the slot have finished. The first pass over the ring waits on phase 1
+        of a fresh barrier, which counts as already complete: the ring starts empty."""
+        n_tiles, n_full = _kv_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+        for t in range(0, n_tiles):
+            slot = t % STAGES
+            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def attention_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, n_q, n_k, qk_scale_log2,
+                                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+                                       WARP_SPECIALIZE: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                       num_warps: gl.constexpr):
+        """One program: BLOCK_M queries of one (batch, head). Grid ``(cdiv(N, BLOCK_M), B·H)``.
+
+        The descriptors are of the ``(B, H, N, d)`` tensors with blocks ``[1, 1, rows, d]``: TMA
+        reads rows past N as zeros and clips the store of O at N."""
+        b, h, start_m, pid_bh = _tile_coords(n_heads, n_q, BLOCK_M)
+        dtype: gl.constexpr = q_desc.dtype
+
+        # Shared memory. The descriptors' blocks are 4-D ([1, 1, rows, d]); reshape gives the
+        # 2-D view of the same bytes that wgmma reads. NVMMASharedLayout is the swizzled layout
+        # that both TMA and wgmma understand (128-byte swizzle for 64 or more 16-bit columns).
+        q_smem4 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        q_smem = q_smem4.reshape([BLOCK_M, HEAD_DIM])
+        # The K and V rings: STAGES tiles each, one more (leading) dimension, same swizzle.
+        ring_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_desc.layout.swizzle_byte_width,
+                                                         element_bitwidth=k_desc.layout.element_bitwidth, rank=4)
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], ring_layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], ring_layout)
+
+        # mbarriers (64-bit words in shared memory). ready[s]: slot s's K and V have landed
+        # (the TMA engine arrives with the bytes). empty[s]: the consumers are done with slot s
+        # (design c only). q_bar: Q has landed.
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()  # the barriers' initialization is visible to the TMA engine
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem4)
+
+        if WARP_SPECIALIZE:
+            # Default partition (the kernel's num_warps = 2 consumer warpgroups) and one worker:
+            # the 1-warp producer with LOADER_REGS registers per thread; setmaxnreg hands the rest
+            # of the register file to the consumers.
+            acc, m_i, l_i = gl.warp_specialize(
+                [(_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m, n_k,
+                              qk_scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, False, num_warps)),
+                 (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
+                              BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
+                [1], [LOADER_REGS])
+        else:
+            acc, m_i, l_i = _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m,
+                                      n_k, qk_scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, OVERLAP,
+                                      True, num_warps)
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(q_bar)
+
+        # Epilogue: O = acc / l through shared memory (Q's slot: no product reads Q any more) and
+        # one TMA store, clipped at N; the natural-log LSE by a masked pointer store.
+        o_layout: gl.constexpr = acc.type.layout
+        o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        q_smem.store(o.to(dtype))
+        fence_async_shared()  # the stores above, made by threads, are visible to the TMA engine
+        tma.async_copy_shared_to_global(o_desc, [b, h, start_m, 0], q_smem4)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
+        lse = (m_i + gl.log2(l_i)) * LN_2
+        gl.store(LSE + pid_bh * n_q + rows, lse, mask=rows < n_q)
+        tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+
+
+def gluon_unsupported_reason(q, k, v) -> str | None:
+    """Why :func:`attention_forward_gluon` cannot take these inputs, or None if it can."""
+    if GLUON_IMPORT_ERROR is not None:
+        return GLUON_IMPORT_ERROR
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v must all be float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        return f"q, k, v must be (B, H, N, d) of one shape (N_q = N_k), got {tuple(q.shape)}, {tuple(k.shape)}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"the head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}"
+    for x in (q, k, v):
+        if x.stride(-1) != 1:
+            return "the head dim must be contiguous (last stride 1)"
+        if x.data_ptr() % TMA_ALIGN_BYTES or any((s * x.element_size()) % TMA_ALIGN_BYTES for s in x.stride()[:-1]):
+            return f"base address and strides must be multiples of {TMA_ALIGN_BYTES} bytes (TMA)"
+    return None
+
+
+def _descriptor(x: torch.Tensor, rows: int):
+    """A Gluon host-side TMA descriptor of the (B, H, N, d) tensor ``x`` whose block is one tile
+    ``[1, 1, rows, d]``, laid out in shared memory the way wgmma reads it."""
+    block = [1, 1, rows, x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(x.dtype).split(".")[-1]))
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, variant: str = "ws"):
+    """Attention forward with the Gluon kernel; ``(o, lse)`` as
+    :func:`course_lib.kernels.hopper.attention_forward_tma` returns them (o in q's dtype, lse the
+    natural-log log-sum-exp of each query's scaled scores, float32, ``(B, H, N)``).
+
+    Args:
+        q, k, v: ``(B, H, N, d)`` fp16/bf16 CUDA tensors (or CPU ones under a stand-in driver that
+            only compiles), d in :data:`HEAD_DIMS`, TMA-readable strides.
+        causal: query i sees keys j <= i. scale: default ``d ** -0.5``.
+        variant: one of :data:`VARIANTS`.
+
+    Raises:
+        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`).
+    """
+    why = gluon_unsupported_reason(q, k, v)
+    if why:
+        raise ValueError(f"attention_forward_gluon: q, k, v: {why}")
+    batch, heads, n, d = q.shape
+    cfg = config(variant, d)
+    scale = d ** -0.5 if scale is None else scale
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads)
+    return_kernel = attention_forward_gluon_kernel[grid](
+        _descriptor(q, cfg["BLOCK_M"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+        _descriptor(o, cfg["BLOCK_M"]), lse, heads, n, n, scale * LOG2_E,
+        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+        OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", LOADER_REGS=cfg["LOADER_REGS"],
+        num_warps=cfg["num_warps"])
+    attention_forward_gluon.last_kernel = return_kernel  # the compiled kernel: registers, PTX, SASS
+    return o, lse
+
+
+attention_forward_gluon.last_kernel = None
+
+# PTX lines that show a design's claim in the compiled kernel.
+PTX_OVERLAP = r"wgmma\.wait_group\.sync\.aligned\s+1;"  # at most 1 product left pending (design b)
+PTX_REG_BUDGET = r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);"  # per-partition registers (design c)
+
+
+def kernel_facts(kernel) -> dict:
+    """What one compiled kernel uses: registers per thread (at launch; ``setmaxnreg`` moves them
+    between partitions afterwards), spilled bytes, shared memory, and the PTX evidence: how many
+    ``wgmma.wait_group 1`` and ``setmaxnreg`` it holds, and the ``setmaxnreg`` values."""
+    import re
+
+    ptx = kernel.asm["ptx"]
+    return {"registers": kernel.n_regs, "spill_bytes": 4 * kernel.n_spills, "shared_bytes": kernel.metadata.shared,
+            "wait_group_1": len(re.findall(PTX_OVERLAP, ptx)),
+            "setmaxnreg": sorted({f"{op} {regs}" for op, regs in re.findall(PTX_REG_BUDGET, ptx)}),
+            "wgmma": ptx.count("wgmma.mma_async"), "triton": triton.__version__}
+
+
+def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal: bool = False, n: int = 1000):
+    """Compile one variant for sm_90 on a machine without a GPU and return :func:`kernel_facts`.
+
+    Uses :class:`course_lib.reach.StandInDriver` (a driver that compiles and "loads" but never
+    launches) on CPU tensors, and puts the real driver back afterwards."""
+    import os
+
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    old_interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    old_driver = driver._active  # None on a machine without a GPU driver; reset_active would fail there
+    driver.set_active(StandInDriver(90))
+    try:
+        q = torch.zeros(1, 1, n, head_dim, dtype=dtype)
+        attention_forward_gluon(q, q, q, causal, variant=variant)
+        return kernel_facts(attention_forward_gluon.last_kernel)
+    finally:
+        driver._active = old_driver
+        if old_interpret is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old_interpret
+
+
+__all__ = ["attention_forward_gluon", "gluon_unsupported_reason", "available", "config", "VARIANTS", "HEAD_DIMS",
+           "GLUON_IMPORT_ERROR", "kernel_facts", "cross_compile"]

@@ -1,0 +1,183 @@
+"""Check and time the Gluon forward (course_lib/kernels/gluon_hopper.py) on a Hopper GPU.
+
+One call, a few minutes on an H100:
+
+    PYTHONPATH=. python tools/gluon_forward.py --out gluon.json
+
+For each variant of :data:`course_lib.kernels.gluon_hopper.VARIANTS` it prints and saves
+
+1. what the compiled kernel uses: registers per thread, spilled bytes, shared memory, and the PTX
+   evidence of the design (``wgmma.wait_group.sync.aligned 1``: a product left running across the
+   softmax; ``setmaxnreg``: per-partition register budgets);
+2. its error against a float64 reference (max |o - o_ref| and max |lse - lse_ref|) on ragged
+   shapes, causal and not, fp16 and bf16, next to the TMA forward's error on the same inputs;
+3. its speed in TFLOP/s (the median of a CUDA-graph replay, ``course_lib.bench``'s timer and FLOP
+   count) on the bench grid's cells at d=128, next to our TMA forward
+   (:func:`course_lib.kernels.hopper.attention_forward_tma`) and SDPA's cuDNN backend.
+
+A variant that fails to compile or to run is reported and the script goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from course_lib import bench
+from course_lib.reference import naive_attention_torch
+
+CHECK_SHAPES = [(2, 3, 1000, 128), (2, 3, 2111, 128), (2, 3, 1000, 64)]
+SPEED_SEQ_LENS = (1024, 4096, 16384)
+SPEED_HEADS, SPEED_D = 16, 128
+DTYPES = ("float16", "bfloat16")
+# Max abs error allowed (o in its dtype's precision; lse is float32), against float64.
+O_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+LSE_TOL = 1e-3
+
+
+def _short(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return " ".join(text.split())[:300]
+
+
+def compile_facts(gh, variant: str) -> dict:
+    """Registers, spills, shared memory and PTX evidence of one variant (fp16, d=128, causal)."""
+    q = torch.randn(1, 1, 256, 128, device="cuda", dtype=torch.float16)
+    gh.attention_forward_gluon(q, q, q, True, variant=variant)
+    torch.cuda.synchronize()
+    return gh.kernel_facts(gh.attention_forward_gluon.last_kernel)
+
+
+def check_errors(gh, hopper, variant: str) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in CHECK_SHAPES:
+        for dtype in DTYPES:
+            for causal in (False, True):
+                for layout in ("contiguous", "bnhd") if shape[2] == 1000 and shape[3] == 128 else ("contiguous",):
+                    b, h, n, d = shape
+                    if layout == "bnhd":  # (B, N, H, d) storage seen as (B, H, N, d): strided rows
+                        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, dtype),
+                                               generator=gen).transpose(1, 2) for _ in range(3))
+                    else:
+                        q, k, v = (torch.randn(shape, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+                                   for _ in range(3))
+                    o_ref, lse_ref = naive_attention_torch(q.double(), k.double(), v.double(), causal=causal)
+                    row = {"variant": variant, "shape": list(shape), "dtype": dtype, "causal": causal,
+                           "layout": layout}
+                    try:
+                        o, lse = gh.attention_forward_gluon(q, k, v, causal, variant=variant)
+                        torch.cuda.synchronize()
+                        row["o_err"] = (o.double() - o_ref).abs().max().item()
+                        row["lse_err"] = (lse.double() - lse_ref).abs().max().item()
+                        row["ok"] = bool(row["o_err"] <= O_TOL[dtype] and row["lse_err"] <= LSE_TOL)
+                    except Exception as err:  # noqa: BLE001 - report and go on
+                        row["error"] = _short(err)
+                        row["ok"] = False
+                    try:
+                        o_t, lse_t = hopper.attention_forward_tma(q, k, v, causal, d ** -0.5)
+                        row["tma_o_err"] = (o_t.double() - o_ref).abs().max().item()
+                        row["tma_lse_err"] = (lse_t.double() - lse_ref).abs().max().item()
+                    except Exception as err:  # noqa: BLE001
+                        row["tma_error"] = _short(err)
+                    rows.append(row)
+                    print(f"  {variant:8} {str(shape):18} {dtype:9} causal={causal!s:5} {layout:10} "
+                          + (f"o_err {row['o_err']:.2e} lse_err {row['lse_err']:.2e}" if "o_err" in row
+                             else f"ERROR {row['error']}")
+                          + (f"   (TMA: {row['tma_o_err']:.2e} {row['tma_lse_err']:.2e})" if "tma_o_err" in row else "")
+                          + ("" if row["ok"] else "   <-- FAIL"), flush=True)
+    return rows
+
+
+def time_cell(fn, dtype: str, n: int, causal: bool) -> float:
+    """TFLOP/s of ``fn(q, k, v, causal)`` on one bench cell (B·N = 16k tokens, H=16, d=128)."""
+    batch = bench.TOKENS // n
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, SPEED_HEADS, n, SPEED_D, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+               for _ in range(3))
+
+    def step():
+        with torch.no_grad():
+            fn(q, k, v, causal)
+
+    step()  # compile and warm up
+    torch.cuda.synchronize()
+    ms, _ = bench._time_ms(step, "cudagraph", None)
+    return bench.flops(batch, SPEED_HEADS, n, SPEED_D, causal, "fwd") / (ms * 1e-3) / 1e12
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    parser.add_argument("--no-speed", action="store_true", help="compile facts and errors only")
+    args = parser.parse_args(argv)
+
+    import triton
+
+    from course_lib.kernels import gluon_hopper as gh
+    from course_lib.kernels import hopper
+
+    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+              "compile": {}, "errors": [], "speed": []}
+    print(result["meta"], flush=True)
+    if not gh.available():
+        print("gluon not available:", gh.GLUON_IMPORT_ERROR)
+        return result
+    variants = args.variants.split(",") if args.variants else list(gh.VARIANTS)
+
+    print("\n== compiled kernels (fp16, d=128, causal) ==")
+    working = []
+    for variant in variants:
+        try:
+            facts = compile_facts(gh, variant)
+            working.append(variant)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc(limit=2)
+            facts = {"error": _short(err)}
+        result["compile"][variant] = facts
+        print(f"  {variant:8} {facts}", flush=True)
+
+    print("\n== max abs error against float64 (gluon, then the TMA forward on the same inputs) ==")
+    for variant in working:
+        result["errors"] += check_errors(gh, hopper, variant)
+
+    if not args.no_speed:
+        print("\n== forward TFLOP/s, H=16, d=128, B·N=16k (CUDA-graph median) ==")
+        impls = {f"gluon_{v}": (lambda v: lambda q, k, v_, c: gh.attention_forward_gluon(q, k, v_, c, variant=v))(v)
+                 for v in working}
+        impls["tma"] = lambda q, k, v, c: hopper.attention_forward_tma(q, k, v, c, q.shape[-1] ** -0.5)
+        impls["sdpa_cudnn"] = bench._attention_fn("sdpa_cudnn")
+        print(f"  {'dtype':9} {'N':>6} {'causal':6} " + " ".join(f"{name:>14}" for name in impls), flush=True)
+        for dtype in DTYPES:
+            for n in SPEED_SEQ_LENS:
+                for causal in (False, True):
+                    cells = {}
+                    for name, fn in impls.items():
+                        try:
+                            cells[name] = round(time_cell(fn, dtype, n, causal), 1)
+                        except Exception as err:  # noqa: BLE001
+                            print(f"  {name} {dtype} N={n} causal={causal}: {_short(err)}")
+                            cells[name] = None
+                        torch.cuda.empty_cache()
+                    result["speed"].append({"dtype": dtype, "N": n, "causal": causal, "tflops": cells})
+                    print(f"  {dtype:9} {n:>6} {causal!s:6} "
+                          + " ".join(f"{(v if v is not None else float('nan')):>14.1f}" for v in cells.values()),
+                          flush=True)
+
+    bad = [r for r in result["errors"] if not r["ok"]]
+    print(f"\n{len(result['errors']) - len(bad)}/{len(result['errors'])} error checks within tolerance")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
