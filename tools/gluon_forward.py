@@ -15,13 +15,19 @@ For each variant of :data:`course_lib.kernels.gluon_hopper.VARIANTS` it prints a
    count) on the bench grid's cells at d=128, next to our TMA forward
    (:func:`course_lib.kernels.hopper.attention_forward_tma`) and SDPA's cuDNN backend.
 
-A variant that fails to compile or to run is reported and the script goes on.
+Each variant (and the two baselines) runs in its own child process with a time limit: a variant
+that fails to compile, crashes, or hangs on a barrier is reported and the script goes on (killing
+the child frees the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 
@@ -33,6 +39,7 @@ from course_lib.reference import naive_attention_torch
 CHECK_SHAPES = [(2, 3, 1000, 128), (2, 3, 2111, 128), (2, 3, 1000, 64)]
 SPEED_SEQ_LENS = (1024, 4096, 16384)
 SPEED_HEADS, SPEED_D = 16, 128
+CHILD_TIMEOUT_S = 100  # one variant: compile, 16 error checks, 12 timed cells
 DTYPES = ("float16", "bfloat16")
 # Max abs error allowed (o in its dtype's precision; lse is float32), against float64.
 O_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
@@ -110,68 +117,119 @@ def time_cell(fn, dtype: str, n: int, causal: bool) -> float:
     return bench.flops(batch, SPEED_HEADS, n, SPEED_D, causal, "fwd") / (ms * 1e-3) / 1e12
 
 
+def child(variant: str, speed: bool) -> dict:
+    """Everything for one variant ("baselines": the TMA forward and cuDNN) in this process."""
+    from course_lib.kernels import gluon_hopper as gh
+    from course_lib.kernels import hopper
+
+    out = {"compile": {}, "errors": [], "speed": []}
+    if variant == "baselines":
+        impls = {"tma": lambda q, k, v, c: hopper.attention_forward_tma(q, k, v, c, q.shape[-1] ** -0.5),
+                 "sdpa_cudnn": bench._attention_fn("sdpa_cudnn")}
+    else:
+        if not gh.available():
+            out["compile"][variant] = {"error": gh.GLUON_IMPORT_ERROR}
+            return out
+        try:
+            out["compile"][variant] = compile_facts(gh, variant)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc(limit=2)
+            out["compile"][variant] = {"error": _short(err)}
+            return out
+        print(f"  {variant:8} {out['compile'][variant]}", flush=True)
+        out["errors"] = check_errors(gh, hopper, variant)
+        impls = {f"gluon_{variant}": lambda q, k, v, c: gh.attention_forward_gluon(q, k, v, c, variant=variant)}
+    if speed:
+        for dtype in DTYPES:
+            for n in SPEED_SEQ_LENS:
+                for causal in (False, True):
+                    for name, fn in impls.items():
+                        try:
+                            tflops = round(time_cell(fn, dtype, n, causal), 1)
+                        except Exception as err:  # noqa: BLE001
+                            print(f"  {name} {dtype} N={n} causal={causal}: {_short(err)}", flush=True)
+                            tflops = None
+                        torch.cuda.empty_cache()
+                        out["speed"].append({"impl": name, "dtype": dtype, "N": n, "causal": causal, "tflops": tflops})
+                        print(f"  {name:14} {dtype:9} N={n:<6} causal={causal!s:5} {tflops} TFLOP/s", flush=True)
+    return out
+
+
+def run_child(variant: str, speed: bool) -> dict:
+    """Run :func:`child` in a fresh process with a time limit; its error, if any, as a result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "child.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", path]
+        if not speed:
+            cmd.append("--no-speed")
+        try:
+            done = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S)
+            if done.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    return json.load(f)
+            why = f"child exited with status {done.returncode}"
+        except subprocess.TimeoutExpired:
+            why = f"no result within {CHILD_TIMEOUT_S} s (a hang on a barrier?): killed"
+        print(f"  {variant}: {why}", flush=True)
+        return {"compile": {variant: {"error": why}}, "errors": [], "speed": []}
+
+
+def speed_table(rows: list[dict]) -> str:
+    """One line per (dtype, N, causal): TFLOP/s of each implementation."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["dtype"], r["N"], r["causal"]), {})[r["impl"]] = r["tflops"]
+    lines = [f"  {'dtype':9} {'N':>6} {'causal':6} " + " ".join(f"{name:>14}" for name in impls)]
+    for (dtype, n, causal), by_impl in cells.items():
+        lines.append(f"  {dtype:9} {n:>6} {causal!s:6} " + " ".join(
+            f"{by_impl[i]:>14.1f}" if by_impl.get(i) is not None else f"{'-':>14}" for i in impls))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     parser.add_argument("--no-speed", action="store_true", help="compile facts and errors only")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one variant, in this process
     args = parser.parse_args(argv)
+
+    if args.child:
+        out = child(args.child, not args.no_speed)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+        return out
 
     import triton
 
     from course_lib.kernels import gluon_hopper as gh
-    from course_lib.kernels import hopper
 
     result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
               "compile": {}, "errors": [], "speed": []}
     print(result["meta"], flush=True)
-    if not gh.available():
-        print("gluon not available:", gh.GLUON_IMPORT_ERROR)
-        return result
     variants = args.variants.split(",") if args.variants else list(gh.VARIANTS)
+    for variant in variants + ([] if args.no_speed else ["baselines"]):
+        print(f"\n== {variant} ==", flush=True)
+        part = run_child(variant, not args.no_speed)
+        for key in ("compile", "errors", "speed"):
+            if isinstance(result[key], dict):
+                result[key].update(part[key])
+            else:
+                result[key] += part[key]
 
     print("\n== compiled kernels (fp16, d=128, causal) ==")
-    working = []
-    for variant in variants:
-        try:
-            facts = compile_facts(gh, variant)
-            working.append(variant)
-        except Exception as err:  # noqa: BLE001
-            traceback.print_exc(limit=2)
-            facts = {"error": _short(err)}
-        result["compile"][variant] = facts
-        print(f"  {variant:8} {facts}", flush=True)
-
-    print("\n== max abs error against float64 (gluon, then the TMA forward on the same inputs) ==")
-    for variant in working:
-        result["errors"] += check_errors(gh, hopper, variant)
-
-    if not args.no_speed:
-        print("\n== forward TFLOP/s, H=16, d=128, B·N=16k (CUDA-graph median) ==")
-        impls = {f"gluon_{v}": (lambda v: lambda q, k, v_, c: gh.attention_forward_gluon(q, k, v_, c, variant=v))(v)
-                 for v in working}
-        impls["tma"] = lambda q, k, v, c: hopper.attention_forward_tma(q, k, v, c, q.shape[-1] ** -0.5)
-        impls["sdpa_cudnn"] = bench._attention_fn("sdpa_cudnn")
-        print(f"  {'dtype':9} {'N':>6} {'causal':6} " + " ".join(f"{name:>14}" for name in impls), flush=True)
-        for dtype in DTYPES:
-            for n in SPEED_SEQ_LENS:
-                for causal in (False, True):
-                    cells = {}
-                    for name, fn in impls.items():
-                        try:
-                            cells[name] = round(time_cell(fn, dtype, n, causal), 1)
-                        except Exception as err:  # noqa: BLE001
-                            print(f"  {name} {dtype} N={n} causal={causal}: {_short(err)}")
-                            cells[name] = None
-                        torch.cuda.empty_cache()
-                    result["speed"].append({"dtype": dtype, "N": n, "causal": causal, "tflops": cells})
-                    print(f"  {dtype:9} {n:>6} {causal!s:6} "
-                          + " ".join(f"{(v if v is not None else float('nan')):>14.1f}" for v in cells.values()),
-                          flush=True)
-
+    for variant, facts in result["compile"].items():
+        print(f"  {variant:8} {facts}")
     bad = [r for r in result["errors"] if not r["ok"]]
-    print(f"\n{len(result['errors']) - len(bad)}/{len(result['errors'])} error checks within tolerance")
+    print(f"\n== errors: {len(result['errors']) - len(bad)}/{len(result['errors'])} checks within tolerance "
+          f"(o: {O_TOL}, lse: {LSE_TOL}) ==")
+    for r in bad:
+        print("  FAIL", r)
+    if result["speed"]:
+        print("\n== forward TFLOP/s, H=16, d=128, B·N=16k tokens (CUDA-graph median) ==")
+        print(speed_table(result["speed"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -90,6 +90,17 @@ if GLUON_IMPORT_ERROR is None:
         pid_bh = gl.program_id(1)
         return pid_bh // n_heads, pid_bh % n_heads, start_m, pid_bh
 
+    # Row max and row sum with our own combine functions: gl.max and gl.sum wrap triton.language's
+    # and break when the Triton interpreter was switched on before this module was imported (the
+    # course's CPU setup does that), although Gluon kernels are never interpreted.
+    @gluon.jit
+    def _max_combine(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _add_combine(a, b):
+        return a + b
+
     @gluon.jit
     def _tile2d(ring, slot):
         """Slot ``slot`` of a ring ``(STAGES, 1, 1, rows, d)`` as the 2-D ``(rows, d)`` view wgmma reads."""
@@ -107,7 +118,7 @@ if GLUON_IMPORT_ERROR is None:
         else:
             kv_end = n_k
             n_full = n_k // BLOCK_N
-        return gl.cdiv(kv_end, BLOCK_N), n_full
+        return (kv_end + BLOCK_N - 1) // BLOCK_N, n_full
 
     @gluon.jit
     def _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles,
@@ -139,10 +150,10 @@ if GLUON_IMPORT_ERROR is None:
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
             s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # every row sees key 0 in tile 0: never -inf
+        m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_combine))  # every row sees key 0 in tile 0: never -inf
         p = gl.exp2(s - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
+        l_new = l_i * alpha + gl.reduce(p, 1, _add_combine)
         return m_new, p, alpha, l_new
 
     @gluon.jit
@@ -334,6 +345,10 @@ def gluon_unsupported_reason(q, k, v) -> str | None:
     """Why :func:`attention_forward_gluon` cannot take these inputs, or None if it can."""
     if GLUON_IMPORT_ERROR is not None:
         return GLUON_IMPORT_ERROR
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the kernel uses Hopper's wgmma and TMA: it needs a GPU of compute capability 9.x"
+    if q.device.type != "cuda" and not _compiling_only():
+        return "CPU tensors are only accepted while compiling for sm_90 without a GPU (cross_compile)"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k, v must all be float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
@@ -346,6 +361,15 @@ def gluon_unsupported_reason(q, k, v) -> str | None:
         if x.data_ptr() % TMA_ALIGN_BYTES or any((s * x.element_size()) % TMA_ALIGN_BYTES for s in x.stride()[:-1]):
             return f"base address and strides must be multiples of {TMA_ALIGN_BYTES} bytes (TMA)"
     return None
+
+
+def _compiling_only() -> bool:
+    """Whether the active Triton driver is :class:`course_lib.reach.StandInDriver` (compile, never run)."""
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    return isinstance(driver._active, StandInDriver)
 
 
 def _descriptor(x: torch.Tensor, rows: int):

@@ -1,0 +1,105 @@
+"""The Gluon forward for Hopper (course_lib/kernels/gluon_hopper.py), checked without a GPU.
+
+Each variant is cross-compiled for sm_90 with the installed Triton (course_lib.reach's stand-in
+driver: compile and "load", never launch), and the tests read what the design claims from the
+compiled kernel: it fits (no spills, shared memory within an H100 block's 227 KiB) and its PTX holds
+the instructions the design is about. Whether it computes the right numbers needs a Hopper GPU:
+``tools/gluon_forward.py`` checks that against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.kernels import gluon_hopper as gh
+
+if not gh.available():  # pragma: no cover - depends on the installed Triton
+    pytest.skip(f"gluon not importable: {gh.GLUON_IMPORT_ERROR}", allow_module_level=True)
+
+H100_BLOCK_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use on sm_90
+
+
+@pytest.fixture(scope="module")
+def facts():
+    """kernel_facts of each variant at fp16, d=128, causal, ragged N (compiled once per module)."""
+    return {variant: gh.cross_compile(variant, head_dim=128, dtype=torch.float16, causal=True, n=1000)
+            for variant in gh.VARIANTS}
+
+
+@pytest.mark.parametrize("variant", gh.VARIANTS)
+def test_variant_compiles_and_fits(facts, variant):
+    f = facts[variant]
+    assert f["spill_bytes"] == 0, f
+    assert 0 < f["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, f
+    assert f["registers"] <= 255, f  # the most one thread can have
+    assert f["wgmma"] > 0, f  # the products run on Hopper's warpgroup tensor-core instruction
+
+
+def test_overlap_leaves_one_product_running(facts):
+    """Design b: S_{j+1} is waited for with one product (O += P V) still pending; design a waits
+    for every product at once."""
+    assert facts["tma"]["wait_group_1"] == 0, facts["tma"]
+    assert facts["overlap"]["wait_group_1"] >= 1, facts["overlap"]
+    assert facts["ws"]["wait_group_1"] >= 1, facts["ws"]
+
+
+def test_warp_specialization_sets_register_budgets(facts):
+    """Design c: the producer gives registers back (setmaxnreg.dec to its budget) and the
+    consumers take more (setmaxnreg.inc); the single-partition variants have no budgets."""
+    budget = gh.config("ws", 128)["LOADER_REGS"]
+    ws = facts["ws"]["setmaxnreg"]
+    assert f"dec {budget}" in ws, ws
+    assert any(entry.startswith("inc ") and int(entry.split()[1]) > 128 for entry in ws), ws
+    assert facts["tma"]["setmaxnreg"] == [] and facts["overlap"]["setmaxnreg"] == []
+
+
+@pytest.mark.parametrize("dtype,causal", [(torch.bfloat16, False)])
+def test_head_dim_64_bf16_compiles(dtype, causal):
+    f = gh.cross_compile("ws", head_dim=64, dtype=dtype, causal=causal, n=200)
+    assert f["spill_bytes"] == 0 and f["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, f
+
+
+def test_cross_compile_puts_the_driver_back():
+    from triton.runtime import driver
+
+    before = driver._active
+    gh.cross_compile("tma", n=128)
+    assert driver._active is before
+
+
+def _cpu(shape=(1, 2, 64, 128), dtype=torch.float16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (_cpu(dtype=torch.float32),) * 3, "float16 or bfloat16"),
+    (lambda: (_cpu((1, 2, 64, 96)),) * 3, "head dim must be one of"),
+    (lambda: (_cpu(), _cpu((1, 2, 32, 128)), _cpu((1, 2, 32, 128))), "N_q = N_k"),
+    (lambda: (_cpu().transpose(2, 3),) * 3, "last stride 1|one shape"),
+    (lambda: (_cpu((1, 2, 64, 132))[..., :128],) * 3, "multiples of 16 bytes"),
+])
+def test_unsupported_inputs_raise(make, match):
+    q, k, v = make()
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    before = driver._active
+    driver.set_active(StandInDriver(90))  # past the "needs a GPU" check, to the input checks
+    try:
+        with pytest.raises(ValueError, match=match):
+            gh.attention_forward_gluon(q, k, v, causal=False)
+    finally:
+        driver._active = before
+
+
+def test_cpu_tensors_without_the_stand_in_raise():
+    q = _cpu()
+    with pytest.raises(ValueError, match="CPU tensors are only accepted while compiling"):
+        gh.attention_forward_gluon(q, q, q, causal=False)
+
+
+def test_unknown_variant_raises():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        gh.config("pingpong", 128)
