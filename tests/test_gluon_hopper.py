@@ -42,16 +42,24 @@ def test_overlap_leaves_one_product_running(facts):
     assert facts["tma"]["wait_group_1"] == 0, facts["tma"]
     assert facts["overlap"]["wait_group_1"] >= 1, facts["overlap"]
     assert facts["ws"]["wait_group_1"] >= 1, facts["ws"]
+    # design d: each of the two consumer partitions has its own loop, each with its own wait
+    assert facts["pingpong"]["wait_group_1"] == 2 * facts["ws"]["wait_group_1"], facts["pingpong"]
 
 
 def test_warp_specialization_sets_register_budgets(facts):
     """Design c: the producer gives registers back (setmaxnreg.dec to its budget) and the
     consumers take more (setmaxnreg.inc); the single-partition variants have no budgets."""
-    budget = gh.config("ws", 128)["LOADER_REGS"]
-    ws = facts["ws"]["setmaxnreg"]
-    assert f"dec {budget}" in ws, ws
-    assert any(entry.startswith("inc ") and int(entry.split()[1]) > 128 for entry in ws), ws
+    for variant in ("ws", "pingpong"):
+        cfg = gh.config(variant, 128)
+        budgets = facts[variant]["setmaxnreg"]
+        assert f"dec {cfg['LOADER_REGS']}" in budgets, budgets
+        assert f"inc {cfg['CONSUMER_REGS']}" in budgets, budgets
     assert facts["tma"]["setmaxnreg"] == [] and facts["overlap"]["setmaxnreg"] == []
+
+
+def test_pingpong_uses_more_shared_memory_for_two_output_halves(facts):
+    """Design d writes each consumer's half of O from its own buffer (2 · 64 rows · d · 2 bytes)."""
+    assert facts["pingpong"]["shared_bytes"] - facts["ws"]["shared_bytes"] >= 2 * 64 * 128 * 2
 
 
 @pytest.mark.parametrize("dtype,causal", [(torch.bfloat16, False)])
@@ -102,4 +110,4 @@ def test_cpu_tensors_without_the_stand_in_raise():
 
 def test_unknown_variant_raises():
     with pytest.raises(ValueError, match="variant must be one of"):
-        gh.config("pingpong", 128)
+        gh.config("cooperative", 128)

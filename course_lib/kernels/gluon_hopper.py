@@ -8,7 +8,7 @@ when to wait for an asynchronous matrix product. That is what FlashAttention-3 d
 what this file does in Python, one decision at a time.
 
 The kernel is the forward of :mod:`course_lib.kernels.hopper` (same inputs, same ``(o, lse)``),
-in three variants that build on one another, chosen by :data:`VARIANTS`:
+in four variants that build on one another, chosen by :data:`VARIANTS`:
 
 - ``"tma"`` (design a): K/V tiles arrive by TMA into a ring of ``STAGES`` shared-memory slots,
   each slot with an mbarrier; Q is copied once; ``S = Q Kᵀ`` and ``O += P V`` run on the tensor
@@ -23,11 +23,15 @@ in three variants that build on one another, chosen by :data:`VARIANTS`:
   only issues TMA copies (with few registers: ``setmaxnreg`` in the PTX) and the two consumer
   warpgroups (8 warps, 64 query rows each) that do the matmuls and the softmax with the overlap
   of design b. The producer waits on "slot empty" barriers, the consumers on "slot full" ones.
+- ``"pingpong"`` (design d, FA3's inter-warpgroup overlap): the two consumer warpgroups become two
+  partitions of 4 warps, each with its own 64 query rows, taking turns through two more
+  mbarriers: warpgroup 0 issues its products, hands the turn to warpgroup 1 and does its softmax
+  while warpgroup 1's products run, and so on, so that one's exponentials hide under the other's
+  matmuls. Each writes its half of O.
 
 Not covered (the launcher raises ValueError): head dims other than 64 and 128, dtypes other than
 fp16/bf16, ``N_q != N_k``, tensors TMA cannot read (see :func:`gluon_unsupported_reason`).
-Ping-pong scheduling between the two consumer warpgroups (FA3's inter-warpgroup overlap) is not
-here: see the NOTES of chapter 09.
+Which variant is fastest is for the H100 to say (``tools/gluon_forward.py``).
 
 Gluon is experimental and changed between Triton 3.6 and 3.7; everything below compiles under
 both (``tests/test_gluon_hopper.py`` cross-compiles each variant for sm_90 without a GPU).
@@ -51,7 +55,7 @@ except ImportError as err:  # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"triton {triton.__version__} has no usable gluon: {err}"
 
 # The variants, in the order the chapter builds them (design a, b, c of the section).
-VARIANTS = ("tma", "overlap", "ws")
+VARIANTS = ("tma", "overlap", "ws", "pingpong")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 TMA_ALIGN_BYTES = 16
@@ -72,8 +76,9 @@ def config(variant: str, head_dim: int) -> dict:
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2 if head_dim == 128 else 3, "num_warps": 8,
-            "LOADER_REGS": 24}
+    pingpong = variant == "pingpong"
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2 if head_dim == 128 else 3, "num_warps": 4 if pingpong else 8,
+            "LOADER_REGS": 24, "CONSUMER_REGS": 240, "O_ROWS": 64 if pingpong else 128}
 
 
 if GLUON_IMPORT_ERROR is None:
@@ -136,7 +141,7 @@ if GLUON_IMPORT_ERROR is None:
         tma.async_copy_global_to_shared(v_desc, [b, h, t * BLOCK_N, 0], bar, v_ring.index(slot), pred=pred)
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2, s_layout: gl.constexpr,
+    def _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2, s_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """One online-softmax step on the raw scores ``s`` of key tile ``t`` (layout ``s_layout``).
 
@@ -144,7 +149,7 @@ if GLUON_IMPORT_ERROR is None:
         probabilities, the factor that rescales what was accumulated before, the new row sums."""
         s = s * qk_scale_log2  # scale · log2(e) folded into one multiply: exp2 below is exp
         if t >= n_full:  # the diagonal band or the ragged end: hide the keys a row must not see
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = cols[None, :] < n_k  # keys past N were read as zeros by TMA
             if CAUSAL:
@@ -157,15 +162,19 @@ if GLUON_IMPORT_ERROR is None:
         return m_new, p, alpha, l_new
 
     @gluon.jit
-    def _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m, n_k,
-                  qk_scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-                  LOADS_HERE: gl.constexpr, num_warps: gl.constexpr):
-        """The matmuls and the softmax over every key tile; returns (acc, m_i, l_i).
+    def _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h, tile_start, row0, n_k,
+                  qk_scale_log2, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+                  LOADS_HERE: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+        """The matmuls and the softmax of BLOCK_M query rows (from ``row0``; ``q_smem`` holds them)
+        over every key tile of the program's TILE_M-row tile (from ``tile_start``); returns
+        (acc, m_i, l_i).
 
         ``LOADS_HERE``: these warps also issue the TMA copies (designs a and b); otherwise a
         producer partition does, and these warps tell it, by arriving on ``empty``, when a slot
-        may be overwritten (design c)."""
+        may be overwritten (designs c, d). ``PINGPONG`` (design d): this is consumer warpgroup
+        ``WG`` of two; before issuing its products it waits for its turn on ``turn[WG]``, and once
+        they are issued it hands the turn to the other (arrives on ``turn[1 - WG]``)."""
         # The accumulator layouts of the two products. version=[3, 0] is Hopper's wgmma; the warps
         # are stacked along the rows ([num_warps, 1]: each warp owns 16 rows, so warps 0-3, the
         # first warpgroup, own rows 0-63 and warps 4-7 rows 64-127); instr_shape=[16, n, 16]: one
@@ -181,7 +190,9 @@ if GLUON_IMPORT_ERROR is None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        n_tiles, n_full = _kv_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+        # Both ping-pong consumers visit the tiles of the whole TILE_M tile (the same number of
+        # turns each: neither can wait for a turn the other never gives); the mask handles the rest.
+        n_tiles, n_full = _kv_tiles(tile_start, n_k, TILE_M, BLOCK_N, CAUSAL)
         if LOADS_HERE:  # prologue: fill the ring (the copies run while we wait for Q)
             for i in gl.static_range(STAGES):
                 _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, i, n_tiles, BLOCK_N, STAGES)
@@ -195,9 +206,13 @@ if GLUON_IMPORT_ERROR is None:
         if OVERLAP:
             # Tile 0 alone: its S and softmax; its P V is issued in the loop's first iteration.
             mbarrier.wait(ready.index(0), 0)
+            if PINGPONG:  # turn 0: consumer 0 passes at once (phase 1 of a fresh barrier), 1 waits
+                mbarrier.wait(turn.index(WG), 1 - WG)
             s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
-            m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, 0, n_full, start_m, n_k, qk_scale_log2,
+            m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, 0, n_full, row0, n_k, qk_scale_log2,
                                                s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             for t in range(1, n_tiles):
@@ -208,11 +223,15 @@ if GLUON_IMPORT_ERROR is None:
                 # O += P_{t-1} V_{t-1}. wgmma groups finish in order, so "at most 1 pending"
                 # means S_t is done while O's product may still run: the softmax of tile t below
                 # overlaps it.
+                if PINGPONG:  # turn t: the other consumer has issued its products of turn t - 1
+                    mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
                 s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, slot).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 o_tok = warpgroup_mma(p_op, _tile2d(v_ring, prev), acc, is_async=True)
+                if PINGPONG:  # our products are queued: the other's may follow while we do softmax
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
-                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2,
+                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
                                                    s_layout, BLOCK_M, BLOCK_N, CAUSAL)
                 # Now O's product must be done before we rescale it. p_op is in the deps so that
                 # its registers stay untouched until the product that reads them has finished.
@@ -239,7 +258,7 @@ if GLUON_IMPORT_ERROR is None:
                 s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, slot).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
-                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, start_m, n_k, qk_scale_log2,
+                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
                                                    s_layout, BLOCK_M, BLOCK_N, CAUSAL)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
@@ -266,10 +285,39 @@ if GLUON_IMPORT_ERROR is None:
             _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles, BLOCK_N, STAGES)
 
     @gluon.jit
+    def _epilogue(acc, m_i, l_i, o_smem4, o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr):
+        """O = acc / l through shared memory and one TMA store (clipped at N by the descriptor);
+        the natural-log LSE, ``(m + log2 l) · ln 2``, by a masked pointer store."""
+        o_layout: gl.constexpr = acc.type.layout
+        o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        o_smem4.reshape([BLOCK_M, HEAD_DIM]).store(o.to(o_desc.dtype))
+        fence_async_shared()  # the stores above, made by threads, are visible to the TMA engine
+        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_smem4)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
+        lse = (m_i + gl.log2(l_i)) * LN_2
+        gl.store(LSE + pid_bh * n_q + rows, lse, mask=rows < n_q)
+        tma.store_wait(0)  # the shared-memory buffer must outlive the copy
+
+    @gluon.jit
+    def _pingpong_consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc, o_desc, LSE,
+                           b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, TILE_M: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+        """Design d: one consumer warpgroup's whole job, rows ``[WG·BLOCK_M, (WG+1)·BLOCK_M)`` of
+        the tile, epilogue included (a worker partition returns nothing to the kernel)."""
+        row0 = start_m + WG * BLOCK_M
+        acc, m_i, l_i = _consumer(q_smem.slice(WG * BLOCK_M, BLOCK_M), k_ring, v_ring, ready, empty, q_bar, turn,
+                                  k_desc, v_desc, b, h, start_m, row0, n_k, qk_scale_log2, TILE_M, BLOCK_M, BLOCK_N,
+                                  HEAD_DIM, STAGES, CAUSAL, True, False, True, WG, num_warps)
+        _epilogue(acc, m_i, l_i, o_smem.index(WG), o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
+
+    @gluon.jit
     def attention_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, n_q, n_k, qk_scale_log2,
                                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-                                       WARP_SPECIALIZE: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                       WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
+                                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                        num_warps: gl.constexpr):
         """One program: BLOCK_M queries of one (batch, head). Grid ``(cdiv(N, BLOCK_M), B·H)``.
 
@@ -295,46 +343,62 @@ if GLUON_IMPORT_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # turn[w]: consumer warpgroup w may issue its products (design d only).
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            # design d: both consumers read each slot, so it is empty once both have arrived
+            mbarrier.init(empty.index(i), count=2 if PINGPONG else 1)
         mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         fence_async_shared()  # the barriers' initialization is visible to the TMA engine
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem4)
 
-        if WARP_SPECIALIZE:
-            # Default partition (the kernel's num_warps = 2 consumer warpgroups) and one worker:
-            # the 1-warp producer with LOADER_REGS registers per thread; setmaxnreg hands the rest
-            # of the register file to the consumers.
-            acc, m_i, l_i = gl.warp_specialize(
-                [(_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m, n_k,
-                              qk_scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, False, num_warps)),
+        if PINGPONG:
+            # Design d: three partitions. The kernel's num_warps (4) run consumer warpgroup 0, a
+            # 4-warp worker runs consumer warpgroup 1 (CONSUMER_REGS registers), a 1-warp worker
+            # the producer (LOADER_REGS). Each consumer owns half of the tile's rows and writes
+            # its half of O from its own shared-memory buffer.
+            HALF: gl.constexpr = BLOCK_M // 2
+            o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF, HEAD_DIM], o_desc.layout)
+            gl.warp_specialize(
+                [(_pingpong_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc,
+                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, HALF,
+                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                 (_pingpong_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc,
+                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, HALF,
+                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 1, 4)),
                  (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
                               BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
-                [1], [LOADER_REGS])
+                [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
-            acc, m_i, l_i = _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, k_desc, v_desc, b, h, start_m,
-                                      n_k, qk_scale_log2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, OVERLAP,
-                                      True, num_warps)
+            if WARP_SPECIALIZE:
+                # Design c: the default partition (the kernel's num_warps = 2 consumer warpgroups
+                # working on one 128-row product together) and one worker, the 1-warp producer with
+                # LOADER_REGS registers per thread; setmaxnreg hands the rest to the consumers.
+                acc, m_i, l_i = gl.warp_specialize(
+                    [(_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h, start_m,
+                                  start_m, n_k, qk_scale_log2, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                  True, False, False, 0, num_warps)),
+                     (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
+                                  BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
+                    [1], [LOADER_REGS])
+            else:
+                acc, m_i, l_i = _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h,
+                                          start_m, start_m, n_k, qk_scale_log2, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                          STAGES, CAUSAL, OVERLAP, True, False, 0, num_warps)
+            # Epilogue through Q's buffer: no product reads Q any more.
+            _epilogue(acc, m_i, l_i, q_smem4, o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
         mbarrier.invalidate(q_bar)
-
-        # Epilogue: O = acc / l through shared memory (Q's slot: no product reads Q any more) and
-        # one TMA store, clipped at N; the natural-log LSE by a masked pointer store.
-        o_layout: gl.constexpr = acc.type.layout
-        o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        q_smem.store(o.to(dtype))
-        fence_async_shared()  # the stores above, made by threads, are visible to the TMA engine
-        tma.async_copy_shared_to_global(o_desc, [b, h, start_m, 0], q_smem4)
-        rows = start_m + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
-        lse = (m_i + gl.log2(l_i)) * LN_2
-        gl.store(LSE + pid_bh * n_q + rows, lse, mask=rows < n_q)
-        tma.store_wait(0)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,10 +469,10 @@ def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, v
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads)
     return_kernel = attention_forward_gluon_kernel[grid](
         _descriptor(q, cfg["BLOCK_M"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        _descriptor(o, cfg["BLOCK_M"]), lse, heads, n, n, scale * LOG2_E,
+        _descriptor(o, cfg["O_ROWS"]), lse, heads, n, n, scale * LOG2_E,
         HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
-        OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", LOADER_REGS=cfg["LOADER_REGS"],
-        num_warps=cfg["num_warps"])
+        OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", PINGPONG=variant == "pingpong",
+        LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"])
     attention_forward_gluon.last_kernel = return_kernel  # the compiled kernel: registers, PTX, SASS
     return o, lse
 
