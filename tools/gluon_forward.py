@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ from course_lib.reference import naive_attention_torch
 CHECK_SHAPES = [(2, 3, 1000, 128), (2, 3, 2111, 128), (2, 3, 1000, 64)]
 SPEED_SEQ_LENS = (1024, 4096, 16384)
 SPEED_HEADS, SPEED_D = 16, 128
-CHILD_TIMEOUT_S = 100  # one variant: compile, 16 error checks, 12 timed cells
+CHILD_TIMEOUT_S = 120  # one variant: compile, 16 error checks, 12 timed cells (about 30-60 s expected)
+SILENCE_S = 40  # a child that prints nothing this long is stuck (each step prints within seconds)
 DTYPES = ("float16", "bfloat16")
 # Max abs error allowed (o in its dtype's precision; lse is float32), against float64.
 O_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
@@ -156,20 +158,37 @@ def child(variant: str, speed: bool) -> dict:
 
 
 def run_child(variant: str, speed: bool) -> dict:
-    """Run :func:`child` in a fresh process with a time limit; its error, if any, as a result."""
+    """Run :func:`child` in a fresh process and relay its output; kill it when it prints nothing
+    for :data:`SILENCE_S` seconds (a kernel waiting on a barrier that never completes) or runs past
+    :data:`CHILD_TIMEOUT_S`. Returns its results, or its failure as a result."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "child.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", path]
+        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--child", variant, "--out", path]
         if not speed:
             cmd.append("--no-speed")
-        try:
-            done = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S)
-            if done.returncode == 0 and os.path.exists(path):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        start = last = time.monotonic()
+        why = None
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:  # the child closed its output: it is ending
+                    break
+                print(line, end="", flush=True)
+                last = time.monotonic()
+            now = time.monotonic()
+            if now - last > SILENCE_S or now - start > CHILD_TIMEOUT_S:
+                why = (f"silent for {SILENCE_S} s (a hang on a barrier?)" if now - last > SILENCE_S
+                       else f"still running after {CHILD_TIMEOUT_S} s") + ": killed"
+                proc.kill()
+                break
+        proc.wait()
+        if why is None:
+            if proc.returncode == 0 and os.path.exists(path):
                 with open(path) as f:
                     return json.load(f)
-            why = f"child exited with status {done.returncode}"
-        except subprocess.TimeoutExpired:
-            why = f"no result within {CHILD_TIMEOUT_S} s (a hang on a barrier?): killed"
+            why = f"child exited with status {proc.returncode}"
         print(f"  {variant}: {why}", flush=True)
         return {"compile": {variant: {"error": why}}, "errors": [], "speed": []}
 
@@ -205,6 +224,9 @@ def main(argv=None) -> dict:
 
     from course_lib.kernels import gluon_hopper as gh
 
+    if not torch.cuda.is_available():
+        sys.exit("tools/gluon_forward.py needs a CUDA GPU (a Hopper one for the Gluon kernels); "
+                 "without one, tests/test_gluon_hopper.py cross-compiles them")
     result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
               "compile": {}, "errors": [], "speed": []}
