@@ -57,9 +57,12 @@ def test_warp_specialization_sets_register_budgets(facts):
     assert facts["tma"]["setmaxnreg"] == [] and facts["overlap"]["setmaxnreg"] == []
 
 
-def test_pingpong_uses_more_shared_memory_for_two_output_halves(facts):
-    """Design d writes each consumer's half of O from its own buffer (2 · 64 rows · d · 2 bytes)."""
-    assert facts["pingpong"]["shared_bytes"] - facts["ws"]["shared_bytes"] >= 2 * 64 * 128 * 2
+def test_pingpong_needs_no_more_shared_memory(facts):
+    """Design d splits Q into two 64-row blocks, one per consumer, and each writes its half of O
+    through its own block: the same buffers as design c (a few barriers more)."""
+    q_kv_bytes = (128 + 2 * 2 * 128) * 128 * 2  # Q tile + 2 slots of K and V tiles, fp16, d=128
+    for variant in ("ws", "pingpong"):
+        assert q_kv_bytes <= facts[variant]["shared_bytes"] < q_kv_bytes + 1024, facts[variant]
 
 
 @pytest.mark.parametrize("dtype,causal", [(torch.bfloat16, False)])

@@ -78,7 +78,7 @@ def config(variant: str, head_dim: int) -> dict:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     pingpong = variant == "pingpong"
     return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2 if head_dim == 128 else 3, "num_warps": 4 if pingpong else 8,
-            "LOADER_REGS": 24, "CONSUMER_REGS": 240, "O_ROWS": 64 if pingpong else 128}
+            "LOADER_REGS": 24, "CONSUMER_REGS": 240, "Q_ROWS": 64 if pingpong else 128}
 
 
 if GLUON_IMPORT_ERROR is None:
@@ -300,17 +300,19 @@ if GLUON_IMPORT_ERROR is None:
         tma.store_wait(0)  # the shared-memory buffer must outlive the copy
 
     @gluon.jit
-    def _pingpong_consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc, o_desc, LSE,
+    def _pingpong_consumer(q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, o_desc, LSE,
                            b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, TILE_M: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
         """Design d: one consumer warpgroup's whole job, rows ``[WG·BLOCK_M, (WG+1)·BLOCK_M)`` of
-        the tile, epilogue included (a worker partition returns nothing to the kernel)."""
+        the tile, epilogue included (a worker partition returns nothing to the kernel). ``q_bufs``
+        holds the tile's Q as two 64-row buffers; this warpgroup reads buffer ``WG``."""
         row0 = start_m + WG * BLOCK_M
-        acc, m_i, l_i = _consumer(q_smem.slice(WG * BLOCK_M, BLOCK_M), k_ring, v_ring, ready, empty, q_bar, turn,
+        acc, m_i, l_i = _consumer(_tile2d(q_bufs, WG), k_ring, v_ring, ready, empty, q_bar, turn,
                                   k_desc, v_desc, b, h, start_m, row0, n_k, qk_scale_log2, TILE_M, BLOCK_M, BLOCK_N,
                                   HEAD_DIM, STAGES, CAUSAL, True, False, True, WG, num_warps)
-        _epilogue(acc, m_i, l_i, o_smem.index(WG), o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
+        # Our half of Q is no longer read by any product: O goes out through its buffer.
+        _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
     @gluon.jit
     def attention_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, n_q, n_k, qk_scale_log2,
@@ -326,16 +328,17 @@ if GLUON_IMPORT_ERROR is None:
         b, h, start_m, pid_bh = _tile_coords(n_heads, n_q, BLOCK_M)
         dtype: gl.constexpr = q_desc.dtype
 
-        # Shared memory. The descriptors' blocks are 4-D ([1, 1, rows, d]); reshape gives the
-        # 2-D view of the same bytes that wgmma reads. NVMMASharedLayout is the swizzled layout
-        # that both TMA and wgmma understand (128-byte swizzle for 64 or more 16-bit columns).
-        q_smem4 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        q_smem = q_smem4.reshape([BLOCK_M, HEAD_DIM])
-        # The K and V rings: STAGES tiles each, one more (leading) dimension, same swizzle.
-        ring_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_desc.layout.swizzle_byte_width,
-                                                         element_bitwidth=k_desc.layout.element_bitwidth, rank=4)
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], ring_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], ring_layout)
+        # Shared memory. The descriptors' blocks are 4-D ([1, 1, rows, d]); a buffer of several
+        # blocks has one more (leading) dimension, and _tile2d gives the 2-D view of one block
+        # that wgmma reads. NVMMASharedLayout is the swizzled layout that both TMA and wgmma
+        # understand (128-byte swizzle for 64 or more 16-bit columns).
+        # Q: one 128-row block, or (design d) two 64-row blocks, one per consumer warpgroup.
+        Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        Q_BLOCKS: gl.constexpr = BLOCK_M // Q_ROWS
+        q_bufs = gl.allocate_shared_memory(dtype, [Q_BLOCKS, 1, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
+        # The K and V rings: STAGES tiles each.
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
 
         # mbarriers (64-bit words in shared memory). ready[s]: slot s's K and V have landed
         # (the TMA engine arrives with the bytes). empty[s]: the consumers are done with slot s
@@ -354,27 +357,27 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(turn.index(i), count=1)
         fence_async_shared()  # the barriers' initialization is visible to the TMA engine
 
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem4)
+        mbarrier.expect(q_bar, Q_BLOCKS * q_desc.block_type.nbytes)
+        for i in gl.static_range(Q_BLOCKS):
+            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * Q_ROWS, 0], q_bar, q_bufs.index(i))
 
         if PINGPONG:
             # Design d: three partitions. The kernel's num_warps (4) run consumer warpgroup 0, a
             # 4-warp worker runs consumer warpgroup 1 (CONSUMER_REGS registers), a 1-warp worker
-            # the producer (LOADER_REGS). Each consumer owns half of the tile's rows and writes
-            # its half of O from its own shared-memory buffer.
-            HALF: gl.constexpr = BLOCK_M // 2
-            o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF, HEAD_DIM], o_desc.layout)
+            # the producer (LOADER_REGS). Each consumer owns one Q block (half of the tile's rows)
+            # and writes its half of O.
             gl.warp_specialize(
-                [(_pingpong_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc,
-                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, HALF,
+                [(_pingpong_consumer, (q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc,
+                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, Q_ROWS,
                                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
-                 (_pingpong_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, o_smem, k_desc, v_desc,
-                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, HALF,
+                 (_pingpong_consumer, (q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc,
+                                       o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, Q_ROWS,
                                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 1, 4)),
                  (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
                               BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
                 [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
+            q_smem = _tile2d(q_bufs, 0)  # (BLOCK_M, HEAD_DIM)
             if WARP_SPECIALIZE:
                 # Design c: the default partition (the kernel's num_warps = 2 consumer warpgroups
                 # working on one 128-row product together) and one worker, the 1-warp producer with
@@ -391,7 +394,7 @@ if GLUON_IMPORT_ERROR is None:
                                           start_m, start_m, n_k, qk_scale_log2, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM,
                                           STAGES, CAUSAL, OVERLAP, True, False, 0, num_warps)
             # Epilogue through Q's buffer: no product reads Q any more.
-            _epilogue(acc, m_i, l_i, q_smem4, o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
+            _epilogue(acc, m_i, l_i, q_bufs.index(0), o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -468,8 +471,8 @@ def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, v
     lse = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads)
     return_kernel = attention_forward_gluon_kernel[grid](
-        _descriptor(q, cfg["BLOCK_M"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        _descriptor(o, cfg["O_ROWS"]), lse, heads, n, n, scale * LOG2_E,
+        _descriptor(q, cfg["Q_ROWS"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+        _descriptor(o, cfg["Q_ROWS"]), lse, heads, n, n, scale * LOG2_E,
         HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
         OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", PINGPONG=variant == "pingpong",
         LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"])
