@@ -23,6 +23,8 @@ in four variants that build on one another, chosen by :data:`VARIANTS`:
   only issues TMA copies (with few registers: ``setmaxnreg`` in the PTX) and the two consumer
   warpgroups (8 warps, 64 query rows each) that do the matmuls and the softmax with the overlap
   of design b. The producer waits on "slot empty" barriers, the consumers on "slot full" ones.
+  (In every design K and V have rings and barriers of their own, as in FA3: K_t's slot is refilled
+  as soon as S_t is computed, V_t's once P_t V_t is.)
 - ``"pingpong"`` (design d, FA3's inter-warpgroup overlap): the two consumer warpgroups become two
   partitions of 4 warps, each with its own 64 query rows, taking turns through two more
   mbarriers: warpgroup 0 issues its products, hands the turn to warpgroup 1 and does its softmax
@@ -126,19 +128,20 @@ if GLUON_IMPORT_ERROR is None:
         return (kv_end + BLOCK_N - 1) // BLOCK_N, n_full
 
     @gluon.jit
-    def _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Ask the TMA engine for K and V of key tile ``t`` into ring slot ``t % STAGES``.
+    def _issue(desc, ring, bars, b, h, t, n_tiles, BAR0: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+        """Ask the TMA engine for key tile ``t`` of ``desc`` (K or V) into ring slot ``t % STAGES``.
 
-        ``expect`` tells the slot's barrier how many bytes will land; the barrier's phase flips
-        once they all have. ``pred``: nothing is issued for a tile past the end (the prologue asks
-        for STAGES tiles even when there are fewer)."""
+        K and V have rings and barriers of their own (``bars[0:STAGES]`` for K, ``bars[STAGES:]``
+        for V; ``BAR0`` says which half), as in FA3: K_t is needed first (for S_t) and its slot is
+        free as soon as S_t is computed, V_t later (for O += P_t V_t), so each is copied as early as
+        its slot allows. ``expect`` tells the barrier how many bytes will land; the barrier's phase
+        flips once they all have. ``pred``: nothing is issued for a tile past the end."""
         slot = t % STAGES
         pred = t < n_tiles
-        bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes, pred)  # K and V tiles: same size
-        tma.async_copy_global_to_shared(k_desc, [b, h, t * BLOCK_N, 0], bar, k_ring.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [b, h, t * BLOCK_N, 0], bar, v_ring.index(slot), pred=pred)
+        bar = bars.index(BAR0 + slot)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred)
+        tma.async_copy_global_to_shared(desc, [b, h, t * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2, s_layout: gl.constexpr,
@@ -160,6 +163,18 @@ if GLUON_IMPORT_ERROR is None:
         alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
         l_new = l_i * alpha + gl.reduce(p, 1, _add_combine)
         return m_new, p, alpha, l_new
+
+    @gluon.jit
+    def _release(desc, ring, ready, empty, b, h, t, n_tiles, BAR0: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, LOADS_HERE: gl.constexpr):
+        """No product reads tile ``t``'s slot of this ring any more. Designs a and b refill it at
+        once with tile ``t + STAGES`` (the compiler puts a barrier of all the program's warps
+        before the copy: both warpgroups must be done with the slot); designs c and d tell the
+        producer by arriving on the slot's ``empty`` barrier."""
+        if LOADS_HERE:
+            _issue(desc, ring, ready, b, h, t + STAGES, n_tiles, BAR0, BLOCK_N, STAGES)
+        else:
+            mbarrier.arrive(empty.index(BAR0 + t % STAGES), count=1)
 
     @gluon.jit
     def _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h, tile_start, row0, n_k,
@@ -193,9 +208,10 @@ if GLUON_IMPORT_ERROR is None:
         # Both ping-pong consumers visit the tiles of the whole TILE_M tile (the same number of
         # turns each: neither can wait for a turn the other never gives); the mask handles the rest.
         n_tiles, n_full = _kv_tiles(tile_start, n_k, TILE_M, BLOCK_N, CAUSAL)
-        if LOADS_HERE:  # prologue: fill the ring (the copies run while we wait for Q)
+        if LOADS_HERE:  # prologue: fill both rings (the copies run while we wait for Q)
             for i in gl.static_range(STAGES):
-                _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, i, n_tiles, BLOCK_N, STAGES)
+                _issue(k_desc, k_ring, ready, b, h, i, n_tiles, 0, BLOCK_N, STAGES)
+                _issue(v_desc, v_ring, ready, b, h, i, n_tiles, STAGES, BLOCK_N, STAGES)
         mbarrier.wait(q_bar, 0)  # Q has landed (its barrier completes phase 0 once)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -205,20 +221,22 @@ if GLUON_IMPORT_ERROR is None:
 
         if OVERLAP:
             # Tile 0 alone: its S and softmax; its P V is issued in the loop's first iteration.
-            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(ready.index(0), 0)  # K_0 has landed
             if PINGPONG:  # turn 0: consumer 0 passes at once (phase 1 of a fresh barrier), 1 waits
                 mbarrier.wait(turn.index(WG), 1 - WG)
             s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
+            _release(k_desc, k_ring, ready, empty, b, h, 0, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)
             m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, 0, n_full, row0, n_k, qk_scale_log2,
                                                s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             for t in range(1, n_tiles):
                 slot = t % STAGES
                 prev = (t - 1) % STAGES
-                mbarrier.wait(ready.index(slot), (t // STAGES) & 1)  # K_t, V_t have landed
+                mbarrier.wait(ready.index(slot), (t // STAGES) & 1)  # K_t has landed
+                mbarrier.wait(ready.index(STAGES + prev), ((t - 1) // STAGES) & 1)  # V_{t-1} has landed
                 # Two asynchronous products in flight, in this order: S_t = Q K_tᵀ, then
                 # O += P_{t-1} V_{t-1}. wgmma groups finish in order, so "at most 1 pending"
                 # means S_t is done while O's product may still run: the softmax of tile t below
@@ -231,58 +249,61 @@ if GLUON_IMPORT_ERROR is None:
                 if PINGPONG:  # our products are queued: the other's may follow while we do softmax
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
+                _release(k_desc, k_ring, ready, empty, b, h, t, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)  # K_t read
                 m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
                                                    s_layout, BLOCK_M, BLOCK_N, CAUSAL)
                 # Now O's product must be done before we rescale it. p_op is in the deps so that
                 # its registers stay untouched until the product that reads them has finished.
                 acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                _release(v_desc, v_ring, ready, empty, b, h, t - 1, n_tiles, STAGES, BLOCK_N, STAGES,
+                         LOADS_HERE)  # V_{t-1} read
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                # Slot prev (K_{t-1}, V_{t-1}) is no longer read by any product: reuse it.
-                if LOADS_HERE:
-                    _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t - 1 + STAGES, n_tiles, BLOCK_N,
-                              STAGES)
-                else:
-                    mbarrier.arrive(empty.index(prev), count=1)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            last = (n_tiles - 1) % STAGES  # the last tile's P V
-            o_tok = warpgroup_mma(p_op, _tile2d(v_ring, last), acc, is_async=True)
+            last = n_tiles - 1  # the last tile's P V
+            mbarrier.wait(ready.index(STAGES + last % STAGES), (last // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, _tile2d(v_ring, last % STAGES), acc, is_async=True)
             acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            if not LOADS_HERE:
-                mbarrier.arrive(empty.index(last), count=1)
+            _release(v_desc, v_ring, ready, empty, b, h, last, n_tiles, STAGES, BLOCK_N, STAGES, LOADS_HERE)
         else:
             for t in range(0, n_tiles):
                 slot = t % STAGES
-                mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+                phase = (t // STAGES) & 1
+                mbarrier.wait(ready.index(slot), phase)  # K_t has landed
                 # K_t is stored (BLOCK_N, HEAD_DIM), K-major; permute gives the (HEAD_DIM, BLOCK_N)
                 # view that wgmma reads as Kᵀ without moving any data.
                 s_tok = warpgroup_mma(q_smem, _tile2d(k_ring, slot).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
+                _release(k_desc, k_ring, ready, empty, b, h, t, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)
                 m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
                                                    s_layout, BLOCK_M, BLOCK_N, CAUSAL)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                mbarrier.wait(ready.index(STAGES + slot), phase)  # V_t has landed
                 o_tok = warpgroup_mma(p_op, _tile2d(v_ring, slot), acc, is_async=True)
                 acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-                if LOADS_HERE:
-                    _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t + STAGES, n_tiles, BLOCK_N, STAGES)
-                else:
-                    mbarrier.arrive(empty.index(slot), count=1)
+                _release(v_desc, v_ring, ready, empty, b, h, t, n_tiles, STAGES, BLOCK_N, STAGES, LOADS_HERE)
         return acc, m_i, l_i
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """The producer partition (design c): one warp that only issues TMA copies.
+        """The producer partition (designs c, d): one warp that only issues TMA copies, in the order
+        the consumers need them: K_0, then K_{t+1} before V_t (iteration t+1 of the consumer loop
+        multiplies Q K_{t+1}ᵀ and P_t V_t).
 
-        Before refilling slot s it waits on ``empty[s]``, which the consumers arrive on once the
-        products reading the slot have finished. The first pass over the ring waits on phase 1
-        of a fresh barrier, which counts as already complete: the ring starts empty."""
+        Before refilling a slot it waits on the slot's ``empty`` barrier, which the consumers
+        arrive on once the products reading it have finished. The first pass over a ring waits on
+        phase 1 of a fresh barrier, which counts as already complete: the rings start empty."""
         n_tiles, n_full = _kv_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-        for t in range(0, n_tiles):
-            slot = t % STAGES
-            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, b, h, t, n_tiles, BLOCK_N, STAGES)
+        for t in range(0, n_tiles + 1):
+            if t < n_tiles:
+                mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+                _issue(k_desc, k_ring, ready, b, h, t, n_tiles, 0, BLOCK_N, STAGES)
+            if t > 0:
+                u = t - 1
+                mbarrier.wait(empty.index(STAGES + u % STAGES), ((u // STAGES) & 1) ^ 1)
+                _issue(v_desc, v_ring, ready, b, h, u, n_tiles, STAGES, BLOCK_N, STAGES)
 
     @gluon.jit
     def _epilogue(acc, m_i, l_i, o_smem4, o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M: gl.constexpr,
@@ -340,15 +361,15 @@ if GLUON_IMPORT_ERROR is None:
         k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
 
-        # mbarriers (64-bit words in shared memory). ready[s]: slot s's K and V have landed
-        # (the TMA engine arrives with the bytes). empty[s]: the consumers are done with slot s
-        # (design c only). q_bar: Q has landed.
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # mbarriers (64-bit words in shared memory). ready[s] / ready[STAGES + s]: the K / V tile
+        # of slot s has landed (the TMA engine arrives with the bytes). empty[s] / empty[STAGES + s]:
+        # the consumers are done with that K / V slot (designs c and d). q_bar: Q has landed.
+        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         # turn[w]: consumer warpgroup w may issue its products (design d only).
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2 * STAGES):
             mbarrier.init(ready.index(i), count=1)
             # design d: both consumers read each slot, so it is empty once both have arrived
             mbarrier.init(empty.index(i), count=2 if PINGPONG else 1)
@@ -396,7 +417,7 @@ if GLUON_IMPORT_ERROR is None:
             # Epilogue through Q's buffer: no product reads Q any more.
             _epilogue(acc, m_i, l_i, q_bufs.index(0), o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2 * STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
         mbarrier.invalidate(q_bar)
