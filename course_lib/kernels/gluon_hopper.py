@@ -56,7 +56,7 @@ try:  # Gluon is experimental: a Triton without it keeps the rest of the library
 except ImportError as err:  # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"triton {triton.__version__} has no usable gluon: {err}"
 
-# The variants, in the order the chapter builds them (design a, b, c of the section).
+# The variants, in the order the chapter builds them (designs a, b, c, d of the section).
 VARIANTS = ("tma", "overlap", "ws", "pingpong")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -70,11 +70,12 @@ def available() -> bool:
 
 
 def config(variant: str, head_dim: int) -> dict:
-    """The launch config of one variant: tiles, ring depth, warps, producer registers.
+    """The launch config of one variant: tiles, ring depth, warps, register budgets, Q block rows.
 
     BLOCK_M = 128 query rows = two warpgroups of 64 rows (a wgmma is issued by one warpgroup and
-    covers 64 rows); BLOCK_N = 128 keys per tile at d=64, 128 at d=128 with 2 slots
-    (Q 32 KiB + 2 × (K 32 KiB + V 32 KiB) = 160 KiB of the 227 KiB an H100 block may use).
+    covers 64 rows); BLOCK_N = 128 keys per tile; ring slots: 2 at d=128 (Q 32 KiB + 2 × (K 32 KiB
+    + V 32 KiB) = 160 KiB of the 227 KiB an H100 block may use), 3 at d=64 (112 KiB).
+    Ping-pong: 4 warps per partition, Q in two 64-row blocks.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -87,8 +88,9 @@ if GLUON_IMPORT_ERROR is None:
     LN_2 = gl.constexpr(constants.LN_2)  # lse in natural log = log2-units value · ln 2
 
     # ------------------------------------------------------------------------------------------
-    # Layouts. A *distributed* layout says which thread holds which element of a register
-    # tensor; a *shared* layout says how a tile is laid out (and swizzled) in shared memory.
+    # Gluon names where every value lives. A *distributed* layout says which thread holds which
+    # element of a register tensor; a *shared* layout says how a tile is laid out (and swizzled)
+    # in shared memory. The kernel itself is at the end of this block; the helpers come first.
 
     @gluon.jit
     def _tile_coords(n_heads, n_q, BLOCK_M: gl.constexpr):
