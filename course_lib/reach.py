@@ -34,7 +34,9 @@ from course_lib.hardware import COMPUTE_TARGETS
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
-FAMILIES = ("attention", "decode")  # attention: forward (and its TMA variant) + backward; decode: split-KV
+# attention: forward (and its TMA variant) + backward; decode: split-KV; masked: chapter 10's three
+# kernels (a sliding window through the API, forward and backward)
+FAMILIES = ("attention", "decode", "masked")
 SEQ_LENS = {"short": 1024, "long": 16384}  # the tables pick by sequence length (tuning.py)
 DECODE_CACHE_LEN = 16384
 DECODE_HEADS = (8, 2)  # query heads, K/V heads: a GQA group of 4, so the grouped kernel runs too
@@ -148,6 +150,17 @@ def _launches(dtypes, head_dims, arch: int, families=FAMILIES, causals=(False, T
                             hopper.attention_forward_tma(q, q, q, causal, 0.125, blocks=blocks)
 
                         yield "attention_tma", dtype_name, d, causal, n, tma
+            for causal in causals if "masked" in families else ():
+                n = SEQ_LENS["long"]
+
+                def masked(dtype=dtype, d=d, causal=causal, n=n):
+                    from course_lib.kernels import api
+
+                    x = torch.zeros(1, 1, n, d, dtype=dtype, requires_grad=True)
+                    o = api.flash_attention(x, x, x, causal=causal, window=(n // 4, 0))
+                    o.backward(torch.zeros_like(o))  # a real dO: an expanded one would change the code
+
+                yield "masked", dtype_name, d, causal, n, masked
             if "decode" not in families:
                 continue
             q = torch.zeros(1, DECODE_HEADS[0], d, dtype=dtype)
@@ -312,7 +325,7 @@ def main(argv=None) -> int:
                         help="compute capabilities as Triton numbers, e.g. 80,86,89,90 (default: all)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="e.g. float16,bfloat16,float32")
     parser.add_argument("--head-dims", type=_ints, default=HEAD_DIMS, help="padded head dims, e.g. 64,128")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="attention, decode or both (default)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="attention, decode, masked (default: all)")
     parser.add_argument("--causal", type=_ints, default=(0, 1), help="masks of the attention launches: 0, 1 or 0,1")
     parser.add_argument("--jobs", type=int, default=1, help="targets compiled at once (one process each)")
     parser.add_argument("--json", type=Path, help="also write the rows here")

@@ -28,6 +28,17 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(masked, "tile_sizes", lambda head_dim, dtype: (16, 32))
 
 
+@pytest.fixture
+def sub_steps(monkeypatch):
+    """Kernel tiles of 16x16 under block masks of 32x32 tiles (the API's) or of the test's own 16x32:
+    each program owns part of a block-mask tile and walks each listed tile in several steps."""
+    from course_lib.kernels import masked, tuning
+
+    small = tuning.Blocks(16, 16)
+    monkeypatch.setattr(masked, "launch_blocks", lambda head_dim, dtype: dict.fromkeys(("forward", "dq", "dkdv"), small))
+    monkeypatch.setattr(masked, "tile_sizes", lambda head_dim, dtype: (32, 32))
+
+
 def reference(q, k, v, mask, scale=None):
     """float64 ``(o, lse)`` with a boolean ``mask`` broadcast to ``(B, H, N_q, N_k)``; K/V heads are
     repeated for GQA; rows with no visible key give ``o = 0``, ``lse = -inf``."""
@@ -206,6 +217,19 @@ def test_builder_block_masks_carry_their_element_rules():
         flash_attention(q, k, v, window=(1, 1), block_mask=bm.sliding_window_block_mask(50, 50, (6, 3), 16, 32))
     with pytest.raises(ValueError, match="seq_lens is given twice"):
         flash_attention(q, k, v, seq_lens=lens, block_mask=bm.length_block_mask(lens, lens, 50, 50, 16, 32))
+
+
+@pytest.mark.parametrize("case", ["window", "seq_lens", "documents", "mask_mod", "layout", "varlen"])
+def test_kernel_tiles_smaller_than_the_block_mask(case, sub_steps):
+    """The same cases with 16x16 kernel tiles under larger block-mask tiles (the GPU's case: 128x128
+    masks, 128x64 forward and 64x128 dK/dV tiles); the fixture passed on is unused by the bodies."""
+    cases = {"window": lambda: test_sliding_window((5, 12), True, None),
+             "seq_lens": lambda: test_seq_lens_pair_with_window(None),
+             "documents": lambda: test_document_mask(True),
+             "mask_mod": lambda: test_mask_mod_block_mask(False),
+             "layout": lambda: test_block_sparse_layout(True),
+             "varlen": lambda: test_varlen(True, (6, -1), 2, None)}
+    cases[case]()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_fp32_above_128_compiles_without_spills_for_every_gpu(tmp_path):
 def test_reach_refuses_unknown_families():
     done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--families", "prefill"],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "families must be among ('attention', 'decode')" in done.stderr
+    assert done.returncode == 2 and "families must be among ('attention', 'decode', 'masked')" in done.stderr
 
 
 def test_reach_refuses_unknown_targets():

@@ -10,8 +10,12 @@ gives each Q tile two int32 lists, its FULL K/V tiles and its PARTIAL ones. A fo
    no key yet (their running max is still -inf);
 4. writes ``o`` and the log-sum-exp.
 
-SKIP tiles appear in neither list: they are never loaded. The element mask, applied on partial
-tiles only, is the AND of:
+SKIP tiles appear in neither list: they are never loaded. The block mask's tiles (``SPARSE_M x
+SPARSE_N``, 128x128 by default on an H100, FlexAttention's default too) need not be the kernels'
+tiles (``BLOCK_M x BLOCK_N``, each kernel its own, no larger): a program owns ``BLOCK_M`` query
+rows (forward, dQ) or ``BLOCK_N`` keys (dK/dV) and walks each listed tile in steps of the other
+size. So dK/dV keeps the dense kernel's 128-key tiles while the forward takes 64 keys a step.
+The element mask, applied on partial tiles only, is the AND of:
 
 - the keys' bound ``j < n_k`` of the sample (and ``i < n_q``);
 - a band ``i + lo <= j <= i + hi``: ``causal`` (``hi = 0``, top-left as SDPA's ``is_causal``; in
@@ -52,7 +56,7 @@ import triton.language as tl
 
 from course_lib import runtime
 from course_lib.blockmask import UNBOUNDED, BlockMask
-from course_lib.kernels import tiles, tuning
+from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.backward import PREPROCESS_BLOCK_M, preprocess_kernel
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E
@@ -131,6 +135,25 @@ def masked_softmax_step(s, seen, m_i, l_i, acc, v, ACC_DTYPE: tl.constexpr, DOT_
     return m_new, l_i, acc
 
 
+@triton.jit
+def in_sample(idx, n):
+    """``idx < n``: on a FULL tile always true, and applied anyway. It is there for Triton's software
+    pipeliner: a tile index that only feeds load addresses is itself fetched by an asynchronous
+    copy, and the loop then waits for every copy in flight at each step, so no load overlaps the
+    matmuls. Used by the arithmetic too, the index is loaded ahead into registers and the K/V (or
+    Q/dO) loads of the next steps overlap this one's work: on an H100 (fp16, N=16k) the forward
+    got 1.13x faster on the full mask at d=64, 1.29x on the causal one, 1.13x causal at d=128
+    (NOTES.md, "Chapter 10")."""
+    return idx < n
+
+
+@triton.jit
+def step_start(idx_ptr, i, SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+    """First row of step ``i`` of a walk over a list of block-mask tiles (``SPARSE`` rows each)
+    taken ``BLOCK`` rows at a time: tile ``idx_ptr[i // (SPARSE // BLOCK)]``, part ``i % ...``."""
+    return tl.load(idx_ptr + i // (SPARSE // BLOCK)) * SPARSE + (i % (SPARSE // BLOCK)) * BLOCK
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 
@@ -152,9 +175,11 @@ def masked_forward_kernel(
         CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
         RAGGED: tl.constexpr, VARLEN: tl.constexpr, DOCS: tl.constexpr, DENSE_MASK: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: one Q tile of one (sample, head). Grid ``(T_q, B · H)``; the heaviest tiles
-    (the last ones, under a causal mask) start first."""
+        SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: ``BLOCK_M`` query rows of one (sample, head), a part of one block-mask row
+    (``SPARSE_M`` rows); each listed K/V tile (``SPARSE_N`` keys) is walked ``BLOCK_N`` keys at a
+    time. Grid ``(T_q · SPARSE_M / BLOCK_M, B · H)``; the heaviest tiles (the last ones, under a
+    causal mask) start first."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
@@ -184,20 +209,22 @@ def masked_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
-    lrow = b * list_sb + h * list_sh + tile
-    n_full = tl.load(FULL_NUM + lrow)
-    n_part = tl.load(PART_NUM + lrow)
-    # FULL tiles: every key visible to every real row, entirely inside the sample: no mask.
+    lrow = b * list_sb + h * list_sh + tile // (SPARSE_M // BLOCK_M)  # this program's block-mask row
+    busy = tile * BLOCK_M < n_q_b  # rows past the sample: nothing to add (written as padding below)
+    n_full = tl.where(busy, tl.load(FULL_NUM + lrow), 0) * (SPARSE_N // BLOCK_N)  # steps, not tiles
+    n_part = tl.where(busy, tl.load(PART_NUM + lrow), 0) * (SPARSE_N // BLOCK_N)
+    # FULL tiles: every key visible to every real row, entirely inside the sample: no element mask.
     for i in range(0, n_full):
-        start_n = tl.load(FULL_IDX + lrow * list_len + i) * BLOCK_N
+        start_n = step_start(FULL_IDX + lrow * list_len, i, SPARSE_N, BLOCK_N)
         k = tl.load(k_base + start_n * stride_kn, mask=d_mask[None, :], other=0.0)
         s = tiles.scores_log2(q, k, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        s = tl.where(in_sample(start_n + offs_n, n_k_b)[None, :], s, float("-inf"))  # see in_sample
         m_i, l_i, acc = tiles.online_softmax_step(s, m_i, l_i, acc, v_base + start_n * stride_vn,
                                                   d_mask[None, :], ACC_DTYPE=ACC_DTYPE,
                                                   DOT_PRECISION=DOT_PRECISION)
     # PARTIAL tiles: the element mask.
     for i in range(0, n_part):
-        start_n = tl.load(PART_IDX + lrow * list_len + i) * BLOCK_N
+        start_n = step_start(PART_IDX + lrow * list_len, i, SPARSE_N, BLOCK_N)
         cols = start_n + offs_n
         kv_mask = (cols < n_k_b)[:, None] & d_mask[None, :]
         k = tl.load(k_base + start_n * stride_kn, mask=kv_mask, other=0.0)
@@ -235,11 +262,11 @@ def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_v
                  offs_m, offs_n, d_mask, n_q_b, n_k_b, lo, hi, doc_q, doc_k_ptr, mask_row_ptrs, stride_mk,
                  qk_scale_log2, MASKED: tl.constexpr, BAND: tl.constexpr, DOCS: tl.constexpr,
                  DENSE_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Add the contributions of the ``count`` K/V tiles listed at ``idx_ptr`` to dQ; MASKED: they
-    are PARTIAL tiles (element mask), else FULL ones (none)."""
+                 SPARSE_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add the contributions of the ``count`` steps (``BLOCK_N`` keys each) over the K/V tiles
+    listed at ``idx_ptr`` to dQ; MASKED: they are PARTIAL tiles (element mask), else FULL ones."""
     for i in range(0, count):
-        start_n = tl.load(idx_ptr + i) * BLOCK_N
+        start_n = step_start(idx_ptr, i, SPARSE_N, BLOCK_N)
         cols = start_n + offs_n
         if MASKED:
             kv_mask = (cols < n_k_b)[:, None] & d_mask[None, :]
@@ -249,6 +276,8 @@ def _dq_kv_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_v
         v = tl.load(v_base + start_n * stride_vn, mask=kv_mask, other=0.0)
         s = tiles.scores_log2(q, k, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
         p = tl.math.exp2(s - lse_log2[:, None])  # (BLOCK_M, BLOCK_N)
+        if not MASKED:
+            p = tl.where(in_sample(cols, n_k_b)[None, :], p, 0.0)  # see in_sample
         if MASKED:
             doc_k = cols[None, :]
             if DOCS:
@@ -268,11 +297,11 @@ def _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_
                   idx_ptr, count, offs_m, offs_n, d_mask, n_q_b, n_k_b, lo, hi, doc_k, doc_q_ptr,
                   mask_col_ptrs, stride_mn, qk_scale_log2, MASKED: tl.constexpr, BAND: tl.constexpr,
                   DOCS: tl.constexpr, DENSE_MASK: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Add the contributions of the ``count`` Q tiles listed at ``idx_ptr`` to dK, dV (transposed
-    tiles: keys along the rows)."""
+                  DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Add the contributions of the ``count`` steps (``BLOCK_M`` query rows each) over the Q tiles
+    listed at ``idx_ptr`` to dK, dV (transposed tiles: keys along the rows)."""
     for i in range(0, count):
-        start_m = tl.load(idx_ptr + i) * BLOCK_M
+        start_m = step_start(idx_ptr, i, SPARSE_M, BLOCK_M)
         rows = start_m + offs_m  # (BLOCK_M,) sample-local queries
         row_real = rows < n_q_b  # even a FULL tile may hold rows past the sample: masked loads
         q_mask = row_real[:, None] & d_mask[None, :]
@@ -283,6 +312,8 @@ def _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_
         delta = tl.load(delta_base + rows, mask=row_real, other=0.0)
         s_t = tiles.scores_log2(k, q, qk_scale_log2, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
+        if not MASKED:
+            p_t = tl.where(in_sample(rows, n_q_b)[None, :], p_t, 0.0)  # see in_sample
         if MASKED:
             doc_q = rows[None, :]
             if DOCS:
@@ -316,8 +347,9 @@ def masked_dq_kernel(
         CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
         RAGGED: tl.constexpr, VARLEN: tl.constexpr, DOCS: tl.constexpr, DENSE_MASK: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dQ for one Q tile of one (sample, head), over the forward's lists."""
+        SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dQ for ``BLOCK_M`` query rows of one (sample, head), over the forward's lists
+    (as :func:`masked_forward_kernel`)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
@@ -351,17 +383,21 @@ def masked_dq_kernel(
     mask_row_ptrs = MASK + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mn
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DTYPE)
 
-    lrow = b * list_sb + h * list_sh + tile
+    lrow = b * list_sb + h * list_sh + tile // (SPARSE_M // BLOCK_M)
+    busy = tile * BLOCK_M < n_q_b
+    steps = SPARSE_N // BLOCK_N
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
-                      FULL_IDX + lrow * list_len, tl.load(FULL_NUM + lrow), offs_m, offs_n, d_mask,
+                      FULL_IDX + lrow * list_len, tl.where(busy, tl.load(FULL_NUM + lrow), 0) * steps,
+                      offs_m, offs_n, d_mask,
                       n_q_b, n_k_b, lo, hi, doc_q, DOC_K + b * stride_dock, mask_row_ptrs, stride_mk,
                       qk_scale_log2, MASKED=False, BAND=BAND, DOCS=DOCS, DENSE_MASK=DENSE_MASK,
-                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, SPARSE_N=SPARSE_N, BLOCK_N=BLOCK_N)
     dq = _dq_kv_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
-                      PART_IDX + lrow * list_len, tl.load(PART_NUM + lrow), offs_m, offs_n, d_mask,
+                      PART_IDX + lrow * list_len, tl.where(busy, tl.load(PART_NUM + lrow), 0) * steps,
+                      offs_m, offs_n, d_mask,
                       n_q_b, n_k_b, lo, hi, doc_q, DOC_K + b * stride_dock, mask_row_ptrs, stride_mk,
                       qk_scale_log2, MASKED=True, BAND=BAND, DOCS=DOCS, DENSE_MASK=DENSE_MASK,
-                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N)
+                      ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION, SPARSE_N=SPARSE_N, BLOCK_N=BLOCK_N)
 
     dq = dq * scale
     if VARLEN:
@@ -390,10 +426,11 @@ def masked_dkdv_kernel(
         CAUSAL: tl.constexpr, CAUSAL_BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
         RAGGED: tl.constexpr, VARLEN: tl.constexpr, DOCS: tl.constexpr, DENSE_MASK: tl.constexpr,
         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dK, dV for one K/V tile of one (sample, K/V head), summed over the query heads
-    of its group; it walks the transposed lists (the Q tiles that see this K/V tile). Works with
-    transposed score tiles (keys along the rows), as chapter 07's dK/dV kernel."""
+        SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dK, dV for ``BLOCK_N`` keys of one (sample, K/V head), a part of one block-mask
+    column, summed over the query heads of its group; it walks the transposed lists (the Q tiles
+    that see this K/V tile), ``BLOCK_M`` query rows at a time. Works with transposed score tiles
+    (keys along the rows), as chapter 07's dK/dV kernel."""
     tile = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -417,6 +454,8 @@ def masked_dkdv_kernel(
         doc_k = tl.load(DOC_K + b * stride_dock + offs_n, mask=key_real, other=-2)[:, None]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DTYPE)
+    busy = tile * BLOCK_N < n_k_b  # keys past the sample: their gradients are 0
+    steps = tl.where(busy, SPARSE_M // BLOCK_M, 0)
 
     for g in range(0, group):  # GQA: every query head that reads this K/V head
         h = h_kv * group + g
@@ -425,19 +464,19 @@ def masked_dkdv_kernel(
         stats_base = LSE + b * stride_lb + h * stride_lh + start_q
         delta_base = DELTA + b * stride_lb + h * stride_lh + start_q
         mask_col_ptrs = MASK + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mk
-        lrow = b * list_sb + h * list_sh + tile
+        lrow = b * list_sb + h * list_sh + tile // (SPARSE_N // BLOCK_N)
         dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don,
-                               start_q, FULL_IDX + lrow * list_len, tl.load(FULL_NUM + lrow), offs_m, offs_n,
+                               start_q, FULL_IDX + lrow * list_len, tl.load(FULL_NUM + lrow) * steps, offs_m, offs_n,
                                d_mask, n_q_b, n_k_b, lo, hi, doc_k, DOC_Q + b * stride_docq, mask_col_ptrs,
                                stride_mn, qk_scale_log2, MASKED=False, BAND=BAND, DOCS=DOCS,
                                DENSE_MASK=DENSE_MASK, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
-                               BLOCK_M=BLOCK_M)
+                               SPARSE_M=SPARSE_M, BLOCK_M=BLOCK_M)
         dk, dv = _dkdv_q_tiles(dk, dv, k, v, q_base, do_base, stats_base, delta_base, stride_qn, stride_don,
-                               start_q, PART_IDX + lrow * list_len, tl.load(PART_NUM + lrow), offs_m, offs_n,
+                               start_q, PART_IDX + lrow * list_len, tl.load(PART_NUM + lrow) * steps, offs_m, offs_n,
                                d_mask, n_q_b, n_k_b, lo, hi, doc_k, DOC_Q + b * stride_docq, mask_col_ptrs,
                                stride_mn, qk_scale_log2, MASKED=True, BAND=BAND, DOCS=DOCS,
                                DENSE_MASK=DENSE_MASK, ACC_DTYPE=ACC_DTYPE, DOT_PRECISION=DOT_PRECISION,
-                               BLOCK_M=BLOCK_M)
+                               SPARSE_M=SPARSE_M, BLOCK_M=BLOCK_M)
 
     dk = dk * scale
     if VARLEN:
@@ -482,27 +521,56 @@ class MaskPlan:
 
 
 def launch_blocks(head_dim: int, dtype: torch.dtype) -> dict[str, tuning.Blocks]:
-    """The masked kernels' configs: ``{"forward", "dq", "dkdv"}``, all with one tile shape (the block
-    mask's). Interpreter: 64x64. GPU: the dense forward's tiles and warps from
-    :func:`tuning.gpu_default` (long sequences) for all three; dQ with its stages, dK/dV with 2 (its
-    Q and dO tiles are the big ones here). Cross-compiled for sm_90 (fp16, causal): 24-57 KiB of
-    shared memory at d=64, 48-106 KiB at d=128."""
+    """The masked kernels' preferred configs, ``{"forward", "dq", "dkdv"}``: the dense kernels'
+    (:func:`tuning.gpu_default`, long sequences), whose tiles were measured on an H100. Interpreter:
+    64x64 for all three.
+
+    They are independent of the block mask's tiles: a program owns ``BLOCK_M`` query rows
+    (forward, dQ) or ``BLOCK_N`` keys (dK/dV) and walks each listed tile in steps of the other
+    size, as FlexAttention's kernels walk its 128x128 blocks. So dK/dV keeps the dense kernel's
+    128-key tiles (K and V re-read per 128 keys, not per 64) whatever the forward's are. A launch
+    clips them to the block mask's tiles (:func:`fit_blocks`)."""
     if _rt.interpreted:
         b = tuning.INTERPRETER_FORWARD
         return {"forward": b, "dq": b, "dkdv": b}
     size = torch.empty((), dtype=dtype).element_size()
     hd = padded_head_dim(head_dim)
-    fwd = tuning.gpu_default("forward", hd, size)
-    dq = tuning.gpu_default("dq", hd, size)
-    return {"forward": fwd,
-            "dq": tuning.Blocks(fwd.block_m, fwd.block_n, max(dq.num_warps, fwd.num_warps), dq.num_stages),
-            "dkdv": tuning.Blocks(fwd.block_m, fwd.block_n, fwd.num_warps, 2)}
+    blocks = {kernel: tuning.gpu_default(kernel, hd, size) for kernel in ("forward", "dq", "dkdv")}
+    if blocks["forward"] == tuning.Blocks(128, 64, 8, 3) and hd <= 64:
+        # measured on an H100 (NOTES.md, "Chapter 10"): the masked forward at d=64 runs 1.21-1.29x
+        # faster on 4 warps than on the dense kernel's 8 (N=16k, five mask patterns)
+        blocks["forward"] = MASKED_FORWARD_D64
+    return blocks
+
+
+MASKED_FORWARD_D64 = tuning.Blocks(128, 64, 4, 3)
 
 
 def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """``(block_m, block_n)`` the masked kernels use by default: build block masks with these."""
-    b = launch_blocks(head_dim, dtype)["forward"]
-    return b.block_m, b.block_n
+    """``(block_m, block_n)`` of the block masks the API builds (build yours with these): the
+    largest tiles of :func:`launch_blocks`, so that every kernel keeps its preferred tile. On an
+    H100 at d <= 128 (fp16/bf16) that is 128x128, FlexAttention's default block size too."""
+    blocks = launch_blocks(head_dim, dtype).values()
+    return max(b.block_m for b in blocks), max(b.block_n for b in blocks)
+
+
+def fit_blocks(blocks: tuning.Blocks, bmask: BlockMask) -> tuning.Blocks:
+    """``blocks`` with its tiles no larger than the block mask's (both are powers of two, so the
+    kernel's tile then divides the mask's)."""
+    return tuning.Blocks(min(blocks.block_m, bmask.block_m), min(blocks.block_n, bmask.block_n),
+                         blocks.num_warps, blocks.num_stages)
+
+
+def _choose(name: str, kernel, preferred: tuning.Blocks, bmask: BlockMask, q: torch.Tensor, args, meta):
+    """The config of one masked launch: ``preferred`` clipped to the mask's tiles; on a GPU, the
+    first of the dense table's candidates (so clipped) that fits this GPU without spilling
+    (:func:`course_lib.kernels.fit.choose`)."""
+    first = fit_blocks(preferred, bmask)
+    if _rt.interpreted:
+        return first
+    size = q.element_size()
+    candidates = [fit_blocks(b, bmask) for b in tuning.gpu_candidates(name, padded_head_dim(q.shape[-1]), size)]
+    return fit.choose(kernel, [first, *candidates], args, meta)
 
 
 def _list_strides(num: torch.Tensor) -> tuple[int, int]:
@@ -573,23 +641,25 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
     batch, heads, n_q, d = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     bmask = plan.block_mask
-    blocks = blocks or launch_blocks(d, q.dtype)["forward"]
     o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
     acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     lse = torch.empty((batch, heads, n_q), device=q.device,
                       dtype=torch.float64 if work == torch.float64 else torch.float32)
     dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
     rule_args, rule_meta = _rule_args(plan, dummy, forward_lists=True)
-    samples = _grid_samples(q, plan)
-    grid = (bmask.shape[-2], samples * heads)
     win_left, win_right = _window_args(plan)
-    masked_forward_kernel[grid](
-        qw, kw, vw, o, lse, *_batch_strides(qw, plan), *_batch_strides(kw, plan), *_batch_strides(vw, plan),
-        *_batch_strides(o, plan), *_lse_strides(lse, plan), *rule_args,
-        heads, heads // n_kv_heads, n_q, n_k, win_left, win_right, scale * LOG2_E_FLOAT,
-        HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), **rule_meta, ACC_DTYPE=acc_dtype,
-        DOT_PRECISION=precision, BLOCK_M=bmask.block_m, BLOCK_N=bmask.block_n,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    args = (qw, kw, vw, o, lse, *_batch_strides(qw, plan), *_batch_strides(kw, plan), *_batch_strides(vw, plan),
+            *_batch_strides(o, plan), *_lse_strides(lse, plan), *rule_args,
+            heads, heads // n_kv_heads, n_q, n_k, win_left, win_right, scale * LOG2_E_FLOAT)
+    meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), **rule_meta, ACC_DTYPE=acc_dtype,
+                DOT_PRECISION=precision, SPARSE_M=bmask.block_m, SPARSE_N=bmask.block_n)
+    if blocks is None:
+        blocks = _choose("forward", masked_forward_kernel, launch_blocks(d, q.dtype)["forward"], bmask, qw,
+                         args, meta)
+    blocks = fit_blocks(blocks, bmask)
+    grid = (bmask.shape[-2] * (bmask.block_m // blocks.block_m), _grid_samples(q, plan) * heads)
+    masked_forward_kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
+                                num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     return o.to(q.dtype), lse
 
 
@@ -602,8 +672,6 @@ def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
     batch, heads, n_q, d = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     bmask = plan.block_mask
-    configs = launch_blocks(d, q.dtype)
-    dq_blocks, dkdv_blocks = dq_blocks or configs["dq"], dkdv_blocks or configs["dkdv"]
     acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     hd = padded_head_dim(d)
 
@@ -622,17 +690,26 @@ def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
     common = (*_batch_strides(qw, plan), *_batch_strides(kw, plan), *_batch_strides(vw, plan),
               *_batch_strides(dow, plan))
     meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=hd, ACC_DTYPE=acc_dtype, DOT_PRECISION=precision,
-                BLOCK_M=bmask.block_m, BLOCK_N=bmask.block_n)
+                SPARSE_M=bmask.block_m, SPARSE_N=bmask.block_n)
+    preferred = launch_blocks(d, q.dtype)
 
     rule_args, rule_meta = _rule_args(plan, dummy, forward_lists=True)
-    masked_dq_kernel[(bmask.shape[-2], samples * heads)](
-        qw, kw, vw, dow, lse, delta, dq, *common, *_batch_strides(dq, plan), *_lse_strides(lse, plan),
-        *rule_args, heads, group, n_q, n_k, win_left, win_right, scale, scale * LOG2_E_FLOAT,
-        **meta, **rule_meta, num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
+    args = (qw, kw, vw, dow, lse, delta, dq, *common, *_batch_strides(dq, plan), *_lse_strides(lse, plan),
+            *rule_args, heads, group, n_q, n_k, win_left, win_right, scale, scale * LOG2_E_FLOAT)
+    kmeta = {**meta, **rule_meta}
+    blocks = fit_blocks(dq_blocks or _choose("dq", masked_dq_kernel, preferred["dq"], bmask, qw, args, kmeta),
+                        bmask)
+    masked_dq_kernel[(bmask.shape[-2] * (bmask.block_m // blocks.block_m), samples * heads)](
+        *args, **kmeta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages)
 
     rule_args, rule_meta = _rule_args(plan, dummy, forward_lists=False)
-    masked_dkdv_kernel[(bmask.shape[-1], samples * n_kv_heads)](
-        qw, kw, vw, dow, lse, delta, dk, dv, *common, *_batch_strides(dk, plan), *_lse_strides(lse, plan),
-        *rule_args, n_kv_heads, group, n_q, n_k, win_left, win_right, scale, scale * LOG2_E_FLOAT,
-        **meta, **rule_meta, num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
+    args = (qw, kw, vw, dow, lse, delta, dk, dv, *common, *_batch_strides(dk, plan), *_lse_strides(lse, plan),
+            *rule_args, n_kv_heads, group, n_q, n_k, win_left, win_right, scale, scale * LOG2_E_FLOAT)
+    kmeta = {**meta, **rule_meta}
+    blocks = fit_blocks(dkdv_blocks or _choose("dkdv", masked_dkdv_kernel, preferred["dkdv"], bmask, qw, args,
+                                               kmeta), bmask)
+    masked_dkdv_kernel[(bmask.shape[-1] * (bmask.block_n // blocks.block_n), samples * n_kv_heads)](
+        *args, **kmeta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
