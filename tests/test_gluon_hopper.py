@@ -114,3 +114,41 @@ def test_cpu_tensors_without_the_stand_in_raise():
 def test_unknown_variant_raises():
     with pytest.raises(ValueError, match="variant must be one of"):
         gh.config("cooperative", 128)
+
+
+def test_the_library_keeps_the_triton_kernels_off_hopper():
+    """On the CPU (interpreter) the library never takes the Gluon kernel."""
+    q = torch.zeros(1, 1, 64, 128, dtype=torch.float16)
+    assert not gh.library_uses_gluon(q, q, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_library_forward_takes_gluon_on_hopper(causal, monkeypatch):
+    """On an H100, flash_attention at d=128 runs the ping-pong Gluon forward, and its output, lse
+    and the gradients (the backward kernels read the Gluon forward's o and lse) match a float64
+    reference; COURSE_LIB_GLUON=0 puts the TMA forward back."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is Hopper-only (compute capability 9.x); this GPU is not")
+    from course_lib import flash_attention
+
+    calls = []
+    real = gh.attention_forward_gluon
+    monkeypatch.setattr(gh, "attention_forward_gluon", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 1111, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    o = flash_attention(q, k, v, causal=causal)
+    assert calls and calls[0]["variant"] == "pingpong"
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    assert (o.double() - ref).abs().max().item() < 3e-2
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    for g, r in zip(grads, ref_grads):
+        assert ((g.double() - r).norm() / r.norm()).item() < 2e-2
+    monkeypatch.setenv("COURSE_LIB_GLUON", "0")
+    calls.clear()
+    flash_attention(q, k, v, causal=causal)
+    assert not calls

@@ -49,7 +49,7 @@ from course_lib import blockmask as bm
 from course_lib import runtime
 from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
 from course_lib.kernels.backward import attention_backward
-from course_lib.kernels import hopper
+from course_lib.kernels import hopper, tuning
 from course_lib.kernels.forward import attention_forward
 from course_lib.reference import default_scale
 
@@ -145,10 +145,19 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-3:])
 
 
+def _gluon():
+    """:mod:`course_lib.kernels.gluon_hopper`, imported on first use on a GPU (Gluon is experimental)."""
+    from course_lib.kernels import gluon_hopper
+
+    return gluon_hopper
+
+
 def _forward(q, k, v, causal: bool, scale: float):
     """``(o, lse)`` shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``."""
     q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
-    if hopper.library_uses_tma(q4, k4, v4):  # chapter 09: descriptor loads where they pay
+    if q4.is_cuda and _gluon().library_uses_gluon(q4, k4, v4):  # chapter 09: warp-specialized Gluon
+        o4, lse = _gluon().attention_forward_gluon(q4, k4, v4, causal, scale, variant=tuning.GLUON_VARIANT)
+    elif hopper.library_uses_tma(q4, k4, v4):  # chapter 09: descriptor loads where they pay
         o4, lse = hopper.attention_forward_tma(q4, k4, v4, causal, scale)
     else:
         o4, lse = attention_forward(q4, k4, v4, causal, scale)

@@ -453,6 +453,21 @@ def gluon_unsupported_reason(q, k, v) -> str | None:
     return None
 
 
+def library_uses_gluon(q, k, v) -> bool:
+    """Whether :func:`course_lib.flash_attention` takes this kernel's ping-pong variant: a Hopper
+    GPU, head dim in :data:`~course_lib.kernels.tuning.GLUON_HEAD_DIMS` (where it was measured
+    faster than the TMA forward), inputs it covers, no autotuning asked for, and
+    ``COURSE_LIB_GLUON`` not set to 0. Everything else keeps chapter 06's or 09's Triton kernels."""
+    from course_lib import runtime
+    from course_lib.kernels import tuning
+
+    if runtime.current().interpreted or q.device.type != "cuda" or not available():
+        return False
+    if not tuning.gluon_enabled() or tuning.autotune_enabled() or q.shape[-1] not in tuning.GLUON_HEAD_DIMS:
+        return False
+    return gluon_unsupported_reason(q, k, v) is None
+
+
 def _compiling_only() -> bool:
     """Whether the active Triton driver is :class:`course_lib.reach.StandInDriver` (compile, never run)."""
     from triton.runtime import driver

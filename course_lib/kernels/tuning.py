@@ -209,6 +209,18 @@ def tma_enabled() -> bool:
     return os.environ.get(TMA_ENV, "1") != "0"
 
 
+# The Gluon forward of chapter 09 (kernels/gluon_hopper.py, its ping-pong variant) on Hopper:
+# measured on an H100 (NOTES.md, "Gluon forward"), 1.07-1.15x the TMA forward at head dim 128 in
+# every cell of the grid. COURSE_LIB_GLUON=0 keeps the TMA forward (for comparisons).
+GLUON_ENV = "COURSE_LIB_GLUON"
+GLUON_HEAD_DIMS = (128,)
+GLUON_VARIANT = "pingpong"
+
+
+def gluon_enabled() -> bool:
+    return os.environ.get(GLUON_ENV, "1") != "0"
+
+
 def hopper_forward(seq_len: int, causal: bool) -> Blocks:
     """The TMA forward's config at HEAD_DIM=128, from the CUDA-graph sweep on an H100
     (``tools/sweep_forward.py``, NOTES.md "2026-11-24: forward sweep"): 128x64 tiles on 4 warps
