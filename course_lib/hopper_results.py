@@ -47,8 +47,10 @@ def load(path: Path | str = RECORDED_FILE) -> dict:
 
 
 def provenance(data: dict) -> str:
+    """One line: GPU (and driver, where recorded), torch, triton, date of the run."""
     m = data["meta"]
-    return f"{m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
+    driver = f" (driver {m['driver']})" if "driver" in m else ""
+    return f"{m['gpu']}{driver}, torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
 
 
 def tflops(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool, config=None,
@@ -216,3 +218,88 @@ def fp8_accuracy(data: dict) -> dict:
     """Mean RMSE against float64 over the recorded seeds: ``{"fp16", "fp8", "fp8_rotated"}``."""
     rows = data["fp8_accuracy"]
     return {key: statistics.mean(r[key] for r in rows) for key in ("fp16", "fp8", "fp8_rotated")}
+
+
+# ---------------------------------------------------------------- the Gluon forward (section 7)
+
+GLUON_FILE = RECORDED_DIR / "h100_gluon.json"
+# The columns of the Gluon table: label and the ``impl`` of the rows in ``data["speed"]``. The four
+# designs of course_lib/kernels/gluon_hopper.py, then the two kernels they are compared with.
+GLUON_COLUMNS = (("a: tma", "gluon_tma"), ("b: overlap", "gluon_overlap"), ("c: ws", "gluon_ws"),
+                 ("d: pingpong", "gluon_pingpong"), ("Triton TMA", "tma"), ("cuDNN", "sdpa_cudnn"))
+
+
+def load_gluon(path: Path | str = GLUON_FILE) -> dict | None:
+    """The recorded run of ``tools/gluon_forward.py`` on an H100 (keys ``meta``, ``compile``,
+    ``errors``, ``speed``), or None if ``path`` does not exist.
+
+    ``speed`` rows: ``impl`` (``gluon_<variant>``, ``tma``: the Triton descriptor forward,
+    ``sdpa_cudnn``), ``dtype``, ``N``, ``causal``, forward ``tflops`` (d=128, 16 heads,
+    B·N = 16k tokens, CUDA-graph median)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def gluon_tflops(data: dict, impl: str, dtype: str, n: int, causal: bool) -> float | None:
+    """The recorded TFLOP/s of ``impl`` on one cell, or None if it was not measured."""
+    found = [r["tflops"] for r in data["speed"]
+             if r["impl"] == impl and r["dtype"] == dtype and r["N"] == n and r["causal"] == causal]
+    return found[0] if found else None
+
+
+def gluon_rows(data: dict) -> list[dict]:
+    """One row per measured (dtype, N, causal) cell, in the file's order: ``{"dtype", "N",
+    "causal", <impl>: TFLOP/s for every impl of GLUON_COLUMNS, "vs_tma", "vs_cudnn"}`` (the
+    ping-pong kernel's TFLOP/s divided by the Triton TMA forward's and by cuDNN's)."""
+    cells = []
+    for r in data["speed"]:
+        key = (r["dtype"], r["N"], r["causal"])
+        if key not in cells:
+            cells.append(key)
+    rows = []
+    for dtype, n, causal in cells:
+        row = {"dtype": dtype, "N": n, "causal": causal,
+               **{impl: gluon_tflops(data, impl, dtype, n, causal) for _, impl in GLUON_COLUMNS}}
+        pp, tma, cudnn = row["gluon_pingpong"], row["tma"], row["sdpa_cudnn"]
+        row["vs_tma"] = pp / tma if pp and tma else None
+        row["vs_cudnn"] = pp / cudnn if pp and cudnn else None
+        rows.append(row)
+    return rows
+
+
+def gluon_table(data: dict) -> str:
+    """The Gluon forward's recorded speed as a text table: a provenance line, then per cell the
+    four designs, the Triton TMA forward and cuDNN (TFLOP/s) and the ratios of :func:`gluon_rows`."""
+    head = (f"{'dtype':<9} {'N':>6} {'causal':>6} |" + "".join(f"{label:>12}" for label, _ in GLUON_COLUMNS)
+            + f" | {'pp ÷ TMA':>9} {'pp ÷ cuDNN':>10}")
+    lines = [provenance(data),
+             "forward TFLOP/s, d=128, 16 heads, B·N = 16k tokens, CUDA graphs; pp = d: pingpong",
+             head, "-" * len(head)]
+    fmt = lambda x, width, spec: f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"  # noqa: E731
+    for row in gluon_rows(data):
+        lines.append(f"{row['dtype']:<9} {row['N']:>6} {str(row['causal']):>6} |"
+                     + "".join(fmt(row[impl], 12, ".1f") for _, impl in GLUON_COLUMNS)
+                     + f" | {fmt(row['vs_tma'], 9, '.2f')} {fmt(row['vs_cudnn'], 10, '.2f')}")
+    return "\n".join(lines)
+
+
+def gluon_plot(data: dict):
+    """A bar chart of :func:`gluon_rows`: one group of bars per cell, one bar per column."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = gluon_rows(data)
+    fig, ax = plt.subplots(figsize=(11, 4), dpi=100)
+    x = np.arange(len(rows))
+    width = 0.8 / len(GLUON_COLUMNS)
+    for i, (label, impl) in enumerate(GLUON_COLUMNS):
+        ax.bar(x + (i - (len(GLUON_COLUMNS) - 1) / 2) * width, [r[impl] or 0 for r in rows], width, label=label)
+    ax.set_xticks(x, [f"{r['dtype'].replace('float', 'fp').replace('bfp', 'bf')}\nN={r['N']}"
+                      f"{' causal' if r['causal'] else ''}" for r in rows], fontsize=8)
+    ax.set_ylabel("forward TFLOP/s")
+    ax.set_title(f"The Gluon forward's four designs against the Triton TMA forward and cuDNN (d=128, {data['meta']['gpu']})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig

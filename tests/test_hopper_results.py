@@ -70,3 +70,59 @@ def test_recorded_decoding_bench_table():
     assert len(text.splitlines()) == 3 + len(data["results"])
     long = [r for r in data["results"] if r["seq_len"] >= 65536]
     assert long and all(r["triton"]["fraction_of_copy_ceiling"] > 0 for r in long)
+
+
+# ---------------------------------------------------------------- the Gluon forward (section 7)
+
+@pytest.fixture(scope="module")
+def gluon():
+    return hr.load_gluon()
+
+
+def test_gluon_file_has_every_impl_on_every_cell_and_passed_its_checks(gluon):
+    assert "H100" in hr.provenance(gluon) and "driver" not in hr.provenance(gluon)
+    rows = hr.gluon_rows(gluon)
+    assert len(rows) == 12  # fp16/bf16 x N 1k/4k/16k x causal, d=128
+    for row in rows:
+        assert all(row[impl] > 0 for _, impl in hr.GLUON_COLUMNS), row
+    assert gluon["errors"] and all(e["ok"] for e in gluon["errors"])
+    assert set(gluon["compile"]) == {"tma", "overlap", "ws", "pingpong"}
+
+
+def test_gluon_table_holds_the_recorded_numbers_and_their_ratios(gluon):
+    text = hr.gluon_table(gluon)
+    lines = text.splitlines()
+    assert lines[0] == hr.provenance(gluon)
+    body = [line for line in lines if line.startswith(("float16", "bfloat16"))]
+    assert len(body) == len(hr.gluon_rows(gluon))
+    for row, line in zip(hr.gluon_rows(gluon), body):
+        for _, impl in hr.GLUON_COLUMNS:
+            assert f"{row[impl]:.1f}" in line, (impl, line)
+        pp = hr.gluon_tflops(gluon, "gluon_pingpong", row["dtype"], row["N"], row["causal"])
+        tma = hr.gluon_tflops(gluon, "tma", row["dtype"], row["N"], row["causal"])
+        cudnn = hr.gluon_tflops(gluon, "sdpa_cudnn", row["dtype"], row["N"], row["causal"])
+        assert row["vs_tma"] == pytest.approx(pp / tma) and row["vs_cudnn"] == pytest.approx(pp / cudnn)
+        assert line.split()[-2:] == [f"{pp / tma:.2f}", f"{pp / cudnn:.2f}"]
+
+
+def test_gluon_missing_cell_and_missing_file(gluon, tmp_path):
+    assert hr.gluon_tflops(gluon, "gluon_pingpong", "float16", 999, False) is None
+    partial = {"meta": gluon["meta"], "speed": [r for r in gluon["speed"] if r["impl"] != "sdpa_cudnn"]}
+    rows = hr.gluon_rows(partial)
+    assert all(r["sdpa_cudnn"] is None and r["vs_cudnn"] is None and r["vs_tma"] for r in rows)
+    assert hr.gluon_table(partial).splitlines()[-1].endswith("-")
+    assert hr.load_gluon(tmp_path / "nothing.json") is None
+
+
+def test_gluon_plot_has_a_bar_per_impl_and_cell(gluon):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = hr.gluon_plot(gluon)
+    try:
+        bars = fig.axes[0].patches
+        assert len(bars) == len(hr.GLUON_COLUMNS) * len(hr.gluon_rows(gluon))
+        assert max(b.get_height() for b in bars) == max(r["tflops"] for r in gluon["speed"])
+    finally:
+        plt.close(fig)
