@@ -303,3 +303,27 @@ def gluon_plot(data: dict):
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+def source_excerpt(fn, start: str, end: str | None = None) -> str:
+    """The lines of ``fn``'s source (a Python or ``@gluon.jit``/``@triton.jit`` function) from the
+    first one containing ``start`` through the first one after it containing ``end`` (all of the
+    function from ``start`` if ``end`` is None), each prefixed by its line number in the file.
+
+    The notebook shows the kernel's code this way, read from the file: it cannot drift from it.
+    Raises ValueError naming ``start`` or ``end`` if the text is not in the function.
+    """
+    import inspect
+
+    lines, first = inspect.getsourcelines(getattr(fn, "fn", fn))
+    i = next((k for k, line in enumerate(lines) if start in line), None)
+    if i is None:
+        raise ValueError(f"start {start!r} is not in {fn.__name__}'s source")
+    j = len(lines) - 1 if end is None else next((k for k in range(i, len(lines)) if end in lines[k]), None)
+    if j is None:
+        raise ValueError(f"end {end!r} is not in {fn.__name__}'s source after {start!r}")
+    name = Path(inspect.getsourcefile(getattr(fn, "fn", fn))).name
+    import textwrap
+
+    shown = textwrap.dedent("".join(lines[i:j + 1])).splitlines()
+    return "\n".join(f"{name}:{first + i + k:<4} {line.rstrip()}" for k, line in enumerate(shown))

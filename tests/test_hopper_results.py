@@ -126,3 +126,19 @@ def test_gluon_plot_has_a_bar_per_impl_and_cell(gluon):
         assert max(b.get_height() for b in bars) == max(r["tflops"] for r in gluon["speed"])
     finally:
         plt.close(fig)
+
+
+def test_source_excerpt_reads_the_marked_lines_from_the_file():
+    import inspect
+
+    text = hr.source_excerpt(hr.gluon_table, "lines = [", "return")
+    lines, first = inspect.getsourcelines(hr.gluon_table)
+    body = text.splitlines()
+    assert body[0].startswith("hopper_results.py:") and "lines = [" in body[0] and "return" in body[-1]
+    number = int(body[0].split(":")[1].split()[0])
+    assert lines[number - first].rstrip().endswith(body[0].split(maxsplit=1)[1].strip())
+    assert len(hr.source_excerpt(hr.gluon_table, "lines = [").splitlines()) == len(lines) - (number - first)
+    with pytest.raises(ValueError, match="start 'no such line'"):
+        hr.source_excerpt(hr.gluon_table, "no such line")
+    with pytest.raises(ValueError, match="end 'no such line'"):
+        hr.source_excerpt(hr.gluon_table, "lines = [", "no such line")
