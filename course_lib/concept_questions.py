@@ -907,6 +907,32 @@ def _chapter_09() -> list:
                 "in them comes after every query.",
             ),
         )),
+        _move_answer(0, MultipleChoice(
+            "Chapter 09's Gluon forward tried two ways to run exponentials while the tensor cores "
+            "work: one warpgroup leaving its P·V product running during its own softmax "
+            "(\"overlap\"), and two consumer warpgroups taking turns (\"ping-pong\"). On the "
+            "H100 only ping-pong beat the Triton kernel. Why does it hide more?",
+            choices=(
+                "During one warpgroup's softmax the other's products keep the tensor cores busy",
+                "Ping-pong computes half as many exponentials, one per pair of warpgroups",
+                "Ping-pong runs the exponentials on the tensor cores",
+                "Ping-pong loads K and V with TMA, the overlap design with pointer loads",
+            ),
+            answer=0,
+            explanations=(
+                "In the overlap design the same warps must finish their softmax, rescale O and "
+                "convert P before they can queue the next products, so the tensor cores wait in "
+                "between. With two warpgroups passing a turn barrier, one queues its products and "
+                "hands over; its softmax then runs under the other's matmuls (1.07–1.14× the "
+                "Triton kernel, against 0.90–0.97× for the overlap design).",
+                "Every score still needs its exponential; the two warpgroups split the rows, not "
+                "the work per row.",
+                "Exponentials run on the special-function units in both designs; the tensor cores "
+                "only multiply matrices. What changes is whether they have a product queued "
+                "meanwhile.",
+                "Every design of the Gluon kernel loads K and V by TMA into the same rings.",
+            ),
+        )),
     ]
 
 

@@ -142,3 +142,13 @@ def test_source_excerpt_reads_the_marked_lines_from_the_file():
         hr.source_excerpt(hr.gluon_table, "no such line")
     with pytest.raises(ValueError, match="end 'no such line'"):
         hr.source_excerpt(hr.gluon_table, "lines = [", "no such line")
+
+
+def test_gluon_kernel_facts_compiles_in_a_child_process():
+    from course_lib.kernels import gluon_hopper as gh
+
+    if not gh.available():  # pragma: no cover - depends on the installed Triton
+        pytest.skip(f"gluon not importable: {gh.GLUON_IMPORT_ERROR}")
+    facts = hr.gluon_kernel_facts(("ws",), head_dim=64, causal=False)
+    assert set(facts) == {"ws"}
+    assert facts["ws"]["wait_group_1"] >= 1 and "dec 24" in facts["ws"]["setmaxnreg"], facts
