@@ -41,6 +41,8 @@ both (``tests/test_gluon_hopper.py`` cross-compiles each variant for sm_90 witho
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -314,11 +316,17 @@ if GLUON_IMPORT_ERROR is None:
         the natural-log LSE, ``(m + log2 l) · ln 2``, by a masked pointer store."""
         o_layout: gl.constexpr = acc.type.layout
         o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        _write_out(o, (m_i + gl.log2(l_i)) * LN_2, o_smem4, o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
+
+    @gluon.jit
+    def _write_out(o, lse, o_smem4, o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr):
+        """Store ``o`` (rows ``row0...``) through the shared buffer ``o_smem4`` and one TMA copy, and
+        ``lse`` (one value per row, natural log) by a masked pointer store."""
         o_smem4.reshape([BLOCK_M, HEAD_DIM]).store(o.to(o_desc.dtype))
         fence_async_shared()  # the stores above, made by threads, are visible to the TMA engine
         tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_smem4)
-        rows = row0 + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
-        lse = (m_i + gl.log2(l_i)) * LN_2
+        rows = row0 + gl.arange(0, BLOCK_M, layout=lse.type.layout)
         gl.store(LSE + pid_bh * n_q + rows, lse, mask=rows < n_q)
         tma.store_wait(0)  # the shared-memory buffer must outlive the copy
 
@@ -338,19 +346,11 @@ if GLUON_IMPORT_ERROR is None:
         _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
     @gluon.jit
-    def attention_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, n_q, n_k, qk_scale_log2,
-                                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-                                       WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
-                                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                       num_warps: gl.constexpr):
-        """One program: BLOCK_M queries of one (batch, head). Grid ``(cdiv(N, BLOCK_M), B·H)``.
-
-        The descriptors are of the ``(B, H, N, d)`` tensors with blocks ``[1, 1, rows, d]``: TMA
-        reads rows past N as zeros and clips the store of O at N."""
-        b, h, start_m, pid_bh = _tile_coords(n_heads, n_q, BLOCK_M)
+    def _buffers(q_desc, k_desc, v_desc, b, h, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """Allocate the program's shared memory and barriers, and start the copy of its Q tile.
+        Returns ``(q_bufs, k_ring, v_ring, ready, empty, q_bar, turn)``."""
         dtype: gl.constexpr = q_desc.dtype
-
         # Shared memory. The descriptors' blocks are 4-D ([1, 1, rows, d]); a buffer of several
         # blocks has one more (leading) dimension, and _tile2d gives the 2-D view of one block
         # that wgmma reads. NVMMASharedLayout is the swizzled layout that both TMA and wgmma
@@ -383,6 +383,34 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.expect(q_bar, Q_BLOCKS * q_desc.block_type.nbytes)
         for i in gl.static_range(Q_BLOCKS):
             tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * Q_ROWS, 0], q_bar, q_bufs.index(i))
+        return q_bufs, k_ring, v_ring, ready, empty, q_bar, turn
+
+    @gluon.jit
+    def _invalidate(ready, empty, q_bar, turn, STAGES: gl.constexpr):
+        """Retire the barriers of :func:`_buffers` (the program is done with them)."""
+        for i in gl.static_range(2 * STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))
+
+    @gluon.jit
+    def attention_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, n_q, n_k, qk_scale_log2,
+                                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+                                       WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
+                                       LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                       num_warps: gl.constexpr):
+        """One program: BLOCK_M queries of one (batch, head). Grid ``(cdiv(N, BLOCK_M), B·H)``.
+
+        The descriptors are of the ``(B, H, N, d)`` tensors with blocks ``[1, 1, rows, d]``: TMA
+        reads rows past N as zeros and clips the store of O at N."""
+        b, h, start_m, pid_bh = _tile_coords(n_heads, n_q, BLOCK_M)
+
+        q_bufs, k_ring, v_ring, ready, empty, q_bar, turn = _buffers(
+            q_desc, k_desc, v_desc, b, h, start_m, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)
+        Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
 
         if PINGPONG:
             # Design d: three partitions. The kernel's num_warps (4) run consumer warpgroup 0, a
@@ -419,12 +447,7 @@ if GLUON_IMPORT_ERROR is None:
             # Epilogue through Q's buffer: no product reads Q any more.
             _epilogue(acc, m_i, l_i, q_bufs.index(0), o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
-        for i in gl.static_range(2 * STAGES):
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(turn.index(i))
+        _invalidate(ready, empty, q_bar, turn, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,6 +566,16 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
 
     Uses :class:`course_lib.reach.StandInDriver` (a driver that compiles and "loads" but never
     launches) on CPU tensors, and puts the real driver back afterwards."""
+    with stand_in_sm90():
+        q = torch.zeros(1, 1, n, head_dim, dtype=dtype)
+        attention_forward_gluon(q, q, q, causal, variant=variant)
+        return kernel_facts(attention_forward_gluon.last_kernel)
+
+
+@contextlib.contextmanager
+def stand_in_sm90():
+    """Within it, kernels launched on CPU tensors are compiled for sm_90 and never run
+    (:class:`course_lib.reach.StandInDriver`); the real driver is put back afterwards."""
     import os
 
     from triton.runtime import driver
@@ -554,9 +587,7 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
     old_driver = driver._active  # None on a machine without a GPU driver; reset_active would fail there
     driver.set_active(StandInDriver(90))
     try:
-        q = torch.zeros(1, 1, n, head_dim, dtype=dtype)
-        attention_forward_gluon(q, q, q, causal, variant=variant)
-        return kernel_facts(attention_forward_gluon.last_kernel)
+        yield
     finally:
         driver._active = old_driver
         if old_interpret is None:
@@ -566,4 +597,4 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
 
 
 __all__ = ["attention_forward_gluon", "gluon_unsupported_reason", "available", "config", "VARIANTS", "HEAD_DIMS",
-           "GLUON_IMPORT_ERROR", "kernel_facts", "cross_compile"]
+           "GLUON_IMPORT_ERROR", "kernel_facts", "cross_compile", "stand_in_sm90"]

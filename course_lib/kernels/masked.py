@@ -634,8 +634,14 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
     """Forward on ``(B, H, N_q, d)`` / ``(B, H_kv, N_k, d)`` views (packed: ``B = 1``).
 
     Returns ``(o, lse)``: ``o`` ``(B, H, N_q, d)`` in q's dtype, ``lse`` ``(B, H, N_q)`` float32
-    (float64 for float64), natural log, ``-inf`` for rows that see no key.
+    (float64 for float64), natural log, ``-inf`` for rows that see no key. On Hopper, covered
+    inputs (no ``blocks`` given) take the Gluon kernel of :mod:`course_lib.kernels.gluon_masked`.
     """
+    if blocks is None and q.is_cuda:
+        from course_lib.kernels import gluon_masked  # Gluon is experimental: imported on a GPU only
+
+        if gluon_masked.library_uses_gluon_masked(q, k, v, plan):
+            return gluon_masked.masked_forward_gluon(q, k, v, scale, plan)
     work = compute_dtype(q.dtype, _rt.interpreted)
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     batch, heads, n_q, d = q.shape
