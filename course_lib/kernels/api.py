@@ -184,6 +184,14 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         o4 = as_4d(o)
+        if not ctx.deterministic and do.is_cuda:  # chapter 09: the Gluon one-pass backward on Hopper
+            from course_lib.kernels import gluon_backward
+
+            q4, k4, v4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(do)
+            if gluon_backward.library_uses_gluon_backward(q4, k4, v4, o4, do4):
+                dq, dk, dv = gluon_backward.attention_backward_gluon(
+                    do4, q4, k4, v4, o4, lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale)
+                return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
         dq, dk, dv = attention_backward(as_4d(do), as_4d(q), as_4d(k), as_4d(v), o4,
                                         lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale,
                                         deterministic=ctx.deterministic)

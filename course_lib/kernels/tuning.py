@@ -221,6 +221,17 @@ def gluon_enabled() -> bool:
     return os.environ.get(GLUON_ENV, "1") != "0"
 
 
+# The Gluon one-pass backward (kernels/gluon_backward.py) on Hopper, for the non-deterministic
+# backward at these head dims. COURSE_LIB_GLUON_BACKWARD=0 (or COURSE_LIB_GLUON=0) keeps the
+# Triton backward of chapter 07.
+GLUON_BACKWARD_ENV = "COURSE_LIB_GLUON_BACKWARD"
+GLUON_BACKWARD_HEAD_DIMS = (128,)
+
+
+def gluon_backward_enabled() -> bool:
+    return gluon_enabled() and os.environ.get(GLUON_BACKWARD_ENV, "1") != "0"
+
+
 def hopper_forward(seq_len: int, causal: bool) -> Blocks:
     """The TMA forward's config at HEAD_DIM=128, from the CUDA-graph sweep on an H100
     (``tools/sweep_forward.py``, NOTES.md "2026-11-24: forward sweep"): 128x64 tiles on 4 warps
