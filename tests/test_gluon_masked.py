@@ -136,6 +136,19 @@ def test_covered_inputs_have_no_reason():
         assert not gm.library_uses_gluon_masked(q, k, k, plan)  # the interpreter keeps the Triton kernel
 
 
+def test_tile_order_takes_the_heaviest_q_tiles_first():
+    causal = bm.causal_block_mask(N, N, 128, 128)
+    assert gm.tile_order(causal).tolist() == [[list(range(7, -1, -1))]]  # the diagonal's rows grow
+    ids = torch.arange(N) * 3 // N  # three documents: the Q tiles on a boundary visit more K/V tiles
+    docs = bm.document_block_mask(ids, 128, 128)
+    order = gm.tile_order(docs)[0, 0].long()
+    counts = (docs.full_kv_num_blocks + docs.kv_num_blocks)[0, 0]
+    assert sorted(order.tolist()) == list(range(8))
+    assert (counts[order].diff() <= 0).all() and counts.unique().numel() > 1
+    assert gm.tile_order(docs, heaviest_first=False).tolist() == [[list(range(7, -1, -1))]]
+    assert gm.tile_order(docs) is gm.tile_order(docs)  # computed once per block mask
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 

@@ -13,7 +13,9 @@
    the median time (CUDA-graph replay) of the Gluon masked forward, of the Triton masked forward
    (``COURSE_LIB_GLUON=0``), and of the dense Gluon forward (ping-pong) times the fraction of
    tiles the mask visits: issue 22's target is masked ≤ 1.15 × dense × density. A few d = 64
-   cells say whether the library should take the Gluon kernel there too.
+   cells say whether the library should take the Gluon kernel there too; a last column times
+   the Gluon kernel taking the Q tiles from the last to the first instead of heaviest first
+   (:func:`course_lib.kernels.gluon_masked.tile_order`).
 
 Each part runs in a child process with a time limit (a kernel waiting on a barrier that never
 completes would hang the GPU): a failure is reported and the script goes on.
@@ -187,6 +189,7 @@ def speed() -> list[dict]:
         if (d, n) not in dense_ms:
             dense_ms[d, n] = time_ms(lambda: gh.attention_forward_gluon(q, k, v, False, scale, variant="pingpong"))
         gluon = time_ms(lambda: gm.masked_forward_gluon(q4, k4, v4, scale, plan))
+        reversed_ms = time_ms(lambda: gm.masked_forward_gluon(q4, k4, v4, scale, plan, heaviest_first=False))
         with gluon_off():
             triton_ms = time_ms(lambda: masked.masked_forward(q4, k4, v4, scale, plan))
         ideal = dense_ms[d, n] * density
@@ -194,11 +197,12 @@ def speed() -> list[dict]:
                "tile_density": round(density, 4), "dense_gluon_ms": round(dense_ms[d, n], 4),
                "gluon_masked_ms": round(gluon, 4), "triton_masked_ms": round(triton_ms, 4),
                "gluon_vs_ideal": round(gluon / ideal, 3), "triton_vs_ideal": round(triton_ms / ideal, 3),
-               "gluon_speedup": round(triton_ms / gluon, 3)}
+               "gluon_speedup": round(triton_ms / gluon, 3), "gluon_last_tile_first_ms": round(reversed_ms, 4)}
         rows.append(row)
         print(f"  d={d:3} N={n:6} {row['pattern']:22} density {density:.3f} | dense {dense_ms[d, n]:.3f} ms | "
               f"gluon {gluon:.3f} ms ({row['gluon_vs_ideal']:.2f}x ideal) | triton {triton_ms:.3f} ms "
-              f"({row['triton_vs_ideal']:.2f}x ideal) | gluon {row['gluon_speedup']:.2f}x faster", flush=True)
+              f"({row['triton_vs_ideal']:.2f}x ideal) | gluon {row['gluon_speedup']:.2f}x faster | "
+              f"last tile first {reversed_ms:.3f} ms", flush=True)
         q = k = v = q4 = k4 = v4 = None  # free them before the next cell
         torch.cuda.empty_cache()
     return rows

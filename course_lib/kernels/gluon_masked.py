@@ -54,6 +54,12 @@ if gh.available():
         return kv
 
     @gluon.jit
+    def _partial_tile(part_row, t, n_full):
+        """The K/V tile of step ``t`` if it is a PARTIAL one (the consumers need its index for the
+        element mask), else 0, without a load."""
+        return gl.load(part_row + (t - n_full), mask=t >= n_full, other=0)
+
+    @gluon.jit
     def _issue_tile(desc, ring, bars, b, h, t, kv, BAR0: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr):
         """Step ``t``'s copy: K/V tile ``kv`` of ``desc`` into ring slot ``t % STAGES`` (as
@@ -97,16 +103,15 @@ if gh.available():
         return gl.convert_layout(entries, s_layout) != 0
 
     @gluon.jit
-    def _masked_step(s, m_i, l_i, t, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo, hi, DOC_K, MASK, stride_mn,
+    def _masked_step(s, m_i, l_i, t, n_full, kv, row0, rows, doc_q, n_q, n_k, lo, hi, DOC_K, MASK, stride_mn,
                      stride_mk, qk_scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr,
                      DOCS: gl.constexpr, DENSE_MASK: gl.constexpr, num_warps: gl.constexpr):
         """One online-softmax step on the raw scores of step ``t``; on a PARTIAL step (``t >=
-        n_full``) the element mask first. A row with no visible key so far keeps ``m = -inf``
+        n_full``, K/V tile ``kv``) the element mask first. A row with no visible key so far keeps ``m = -inf``
         and uses 0 as its max (exponentials of ``-inf`` are 0, not NaN). Returns
         (m_new, p, alpha, l_new) as :func:`~course_lib.kernels.gluon_hopper._softmax_step`."""
         s = s * qk_scale_log2
         if t >= n_full:
-            kv = gl.load(part_row + (t - n_full))
             cols = kv * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)  # keys past N were read as zeros
             seen = inside
@@ -157,19 +162,21 @@ if gh.available():
         mbarrier.wait(q_bar, 0)  # also when no step follows: O goes out through Q's buffer
 
         if n_tiles > 0:
+            kv = _partial_tile(part_row, 0, n_full)
             mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(turn.index(WG), 1 - WG)
             s_tok = warpgroup_mma(q_smem, gh._tile2d(k_ring, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(empty.index(0), count=1)
-            m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, 0, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo, hi,
+            m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, 0, n_full, kv, row0, rows, doc_q, n_q, n_k, lo, hi,
                                               DOC_K, MASK, stride_mn, stride_mk, qk_scale_log2, s_layout, BLOCK_N,
                                               BAND, DOCS, DENSE_MASK, num_warps)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             for t in range(1, n_tiles):
                 slot = t % STAGES
                 prev = (t - 1) % STAGES
+                kv = _partial_tile(part_row, t, n_full)  # loaded while we wait
                 mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
                 mbarrier.wait(ready.index(STAGES + prev), ((t - 1) // STAGES) & 1)
                 mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
@@ -179,7 +186,7 @@ if gh.available():
                 mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
                 mbarrier.arrive(empty.index(slot), count=1)  # K_t read
-                m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, t, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo,
+                m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, t, n_full, kv, row0, rows, doc_q, n_q, n_k, lo,
                                                   hi, DOC_K, MASK, stride_mn, stride_mk, qk_scale_log2, s_layout,
                                                   BLOCK_N, BAND, DOCS, DENSE_MASK, num_warps)
                 acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
@@ -200,7 +207,7 @@ if gh.available():
 
     @gluon.jit
     def masked_forward_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE,
-                                    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, list_sb, list_sh, list_len,
+                                    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, list_sb, list_sh, list_len, ORDER,
                                     DOC_Q, DOC_K, stride_docq, stride_dock, MASK, stride_mb, stride_mh, stride_mn,
                                     stride_mk, n_heads, group, n_q, n_k, lo, hi, qk_scale_log2,
                                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -208,13 +215,14 @@ if gh.available():
                                     DENSE_MASK: gl.constexpr, LOADER_REGS: gl.constexpr,
                                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """One program: the 128 query rows of Q tile ``tile`` of one (batch, head), and the K/V
-        tiles its block-mask row lists. Grid ``(T_q, B·H)``; the last Q tiles (the heaviest under
-        a causal mask) start first."""
-        tile = gl.num_programs(0) - 1 - gl.program_id(0)
+        tiles its block-mask row lists. Grid ``(T_q, B·H)``; ``ORDER`` (laid out as the lists'
+        counts) says which Q tile each program takes: the ones with the most tiles first, so that
+        the short ones fill the GPU at the end."""
         pid_bh = gl.program_id(1)
         b = pid_bh // n_heads
         h = pid_bh % n_heads
         h_kv = h // group
+        tile = gl.load(ORDER + b * list_sb + h * list_sh + gl.program_id(0))
         start_m = tile * BLOCK_M
         lrow = b * list_sb + h * list_sh + tile  # this Q tile's row of the block mask
         n_full = gl.load(FULL_NUM + lrow)
@@ -301,10 +309,26 @@ def _window_band(plan, n_q: int, n_k: int) -> tuple[int, int]:
     return lo, hi
 
 
-def masked_forward_gluon(q, k, v, scale: float, plan):
+def tile_order(bmask, heaviest_first: bool = True) -> torch.Tensor:
+    """The order in which the programs take the Q tiles of each block-mask row: by decreasing
+    number of K/V tiles visited (under a causal mask: the last tiles first), or
+    (``heaviest_first=False``) simply from the last tile to the first. int32, shaped like the
+    lists' counts; computed once per block mask (kept in it, as the API keeps its device copies)."""
+    orders = bmask.__dict__.setdefault("_gluon_tile_order", {})
+    if heaviest_first not in orders:
+        counts = bmask.full_kv_num_blocks + bmask.kv_num_blocks
+        if heaviest_first:
+            order = torch.argsort(counts, dim=-1, descending=True, stable=True)
+        else:
+            order = torch.arange(counts.shape[-1] - 1, -1, -1, device=counts.device).expand(counts.shape)
+        orders[heaviest_first] = order.to(torch.int32).contiguous()
+    return orders[heaviest_first]
+
+
+def masked_forward_gluon(q, k, v, scale: float, plan, heaviest_first: bool = True):
     """``(o, lse)`` of :func:`course_lib.kernels.masked.masked_forward` with the Gluon kernel:
     ``o`` ``(B, H, N_q, d)`` in q's dtype, ``lse`` ``(B, H, N_q)`` float32, natural log, ``-inf``
-    (and ``o = 0``) for rows that see no key.
+    (and ``o = 0``) for rows that see no key. ``heaviest_first``: see :func:`tile_order`.
 
     Raises:
         ValueError naming what is not covered (:func:`masked_gluon_unsupported_reason`).
@@ -331,7 +355,8 @@ def masked_forward_gluon(q, k, v, scale: float, plan):
     grid = (bmask.shape[-2], batch * heads)
     kernel = masked_forward_gluon_kernel[grid](
         gh._descriptor(q, cfg["Q_ROWS"]), gh._descriptor(k, TILE), gh._descriptor(v, TILE),
-        gh._descriptor(o, cfg["Q_ROWS"]), lse, *lists, *docs, *mask,
+        gh._descriptor(o, cfg["Q_ROWS"]), lse, *lists, tile_order(bmask, heaviest_first), *docs,
+        *mask,
         heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale * gh.LOG2_E,
         HEAD_DIM=d, BLOCK_M=TILE, BLOCK_N=TILE, STAGES=cfg["STAGES"], BAND=rule_meta["BAND"], DOCS=rule_meta["DOCS"],
         DENSE_MASK=rule_meta["DENSE_MASK"],
@@ -369,5 +394,6 @@ def cross_compile(q_shape=(1, 2, 1000, 128), kv_heads: int = 1, dtype=torch.floa
         return gh.kernel_facts(masked_forward_gluon.last_kernel)
 
 
-__all__ = ["masked_forward_gluon", "masked_gluon_unsupported_reason", "library_uses_gluon_masked", "cross_compile",
+__all__ = ["masked_forward_gluon", "tile_order", "masked_gluon_unsupported_reason", "library_uses_gluon_masked",
+           "cross_compile",
            "VARIANT", "TILE", "LIBRARY_HEAD_DIMS"]
