@@ -1,0 +1,142 @@
+"""The Gluon one-pass backward for Hopper (course_lib/kernels/gluon_backward.py).
+
+Without a GPU the kernel is cross-compiled for sm_90 (course_lib.reach's stand-in driver) and the
+tests read what the design claims from the compiled kernel: the consumers get 240 registers a
+thread and the producer 24 (``setmaxnreg``), the five products per tile pair are wgmma, dQ is
+added with 16-byte or 8-byte fp32 atomics, and it fits in an H100 block's shared memory. Whether
+it computes the right gradients needs a Hopper GPU: the GPU test below, and
+``tools/gluon_backward.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from course_lib.kernels import gluon_backward as gb
+from course_lib.kernels import gluon_hopper as gh
+
+if not gh.available():  # pragma: no cover - depends on the installed Triton
+    pytest.skip(f"gluon not importable: {gh.GLUON_IMPORT_ERROR}", allow_module_level=True)
+
+H100_BLOCK_SHARED_BYTES = 227 * 1024
+WGMMA_PER_TILE_PAIR = 5  # S^T, dP^T, dV, dK, dQ: the one-pass backward's products
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """kernel_facts and PTX of the library's config, causal and not (compiled once per module)."""
+    out = {}
+    for causal in (False, True):
+        facts = gb.cross_compile(causal=causal, n=1000)
+        out[causal] = (facts, gb.attention_backward_gluon.last_kernel.asm["ptx"])
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiles_within_an_h100_block(compiled, causal):
+    facts, _ = compiled[causal]
+    assert 0 < facts["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, facts
+    assert facts["registers"] <= 255, facts
+    # A few words of spilled scalars are tolerated (read back from L1); the tiles must stay in registers.
+    assert facts["spill_bytes"] <= gb.SPILL_BYTES_ALLOWED, facts
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_partitions_get_their_register_budgets(compiled, causal):
+    facts, _ = compiled[causal]
+    assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"], facts
+    assert "inc 240" in facts["setmaxnreg"], facts  # the consumers: the dK and dV tiles alone take 128
+
+
+def test_five_products_per_tile_pair(compiled):
+    """Both loops (masked and not) issue S^T, dP^T, dV, dK and dQ as wgmma: one wgmma group each,
+    so 2 x 5 "commit_group"s in the PTX, and the dQ product reads dS^T transposed from shared memory."""
+    _, ptx = compiled[True]
+    assert ptx.count("wgmma.commit_group") == 2 * WGMMA_PER_TILE_PAIR
+    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.add\.v[24]\.f32", ptx)) > 0  # dQ: vector atomics
+
+
+def test_cross_compile_puts_the_driver_back():
+    from triton.runtime import driver
+
+    before = driver._active
+    gb.cross_compile(causal=False, n=128)
+    assert driver._active is before
+
+
+def _cpu(shape=(1, 2, 64, 128), dtype=torch.float16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (_cpu(dtype=torch.float32),) * 5, "float16 or bfloat16"),
+    (lambda: (_cpu((1, 2, 64, 64)),) * 5, r"head dim must be one of \(128,\)"),
+    (lambda: (_cpu(), _cpu((1, 2, 32, 128)), _cpu((1, 2, 32, 128)), _cpu(), _cpu()), "N_q = N_k"),
+    (lambda: (_cpu(),) * 4 + (_cpu((1, 2, 64, 132))[..., :128],), "multiples of 16 bytes"),
+])
+def test_unsupported_inputs_raise(make, match):
+    do, q, k, v, o = make()
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    before = driver._active
+    driver.set_active(StandInDriver(90))  # past the "needs a GPU" check, to the input checks
+    try:
+        with pytest.raises(ValueError, match=match):
+            gb.attention_backward_gluon(do, q, k, v, o, torch.zeros(q.shape[:-1]), False, 0.1)
+    finally:
+        driver._active = before
+
+
+def test_lse_must_match():
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    before = driver._active
+    driver.set_active(StandInDriver(90))
+    try:
+        x = _cpu()
+        with pytest.raises(ValueError, match="lse must be float32 contiguous"):
+            gb.attention_backward_gluon(x, x, x, x, x, torch.zeros(1, 2, 64, dtype=torch.float16), False, 0.1)
+    finally:
+        driver._active = before
+
+
+def test_the_library_keeps_the_triton_backward_off_hopper():
+    x = _cpu()
+    assert not gb.library_uses_gluon_backward(x, x, x, x, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,n", [(False, 1111), (True, 1111), (True, 200)])
+def test_library_backward_takes_gluon_on_hopper(causal, n, monkeypatch):
+    """On an H100, flash_attention's backward at d=128 runs the Gluon kernel and its gradients
+    match float64; deterministic=True and COURSE_LIB_GLUON_BACKWARD=0 keep chapter 07's kernels."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is Hopper-only (compute capability 9.x); this GPU is not")
+    from course_lib import flash_attention
+
+    calls = []
+    real = gb.attention_backward_gluon
+    monkeypatch.setattr(gb, "attention_backward_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, 128, device="cuda", dtype=torch.float16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(2, 3, n, 128, device="cuda", dtype=torch.float16, generator=gen)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    grads = torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
+    assert calls == [1]
+    for g, r in zip(grads, ref_grads):
+        assert ((g.double() - r).abs().max() / r.abs().max()).item() < 1e-2
+    calls.clear()
+    torch.autograd.grad(flash_attention(q, k, v, causal=causal, deterministic=True), (q, k, v), do)
+    monkeypatch.setenv("COURSE_LIB_GLUON_BACKWARD", "0")
+    torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
+    assert not calls
