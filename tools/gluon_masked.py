@@ -1,6 +1,6 @@
 """Check and time the Gluon masked forward (course_lib/kernels/gluon_masked.py) on a Hopper GPU.
 
-    PYTHONPATH=. python tools/gluon_masked.py --out masked_gluon.json    # about 2-3 minutes on an H100
+    PYTHONPATH=. python tools/gluon_masked.py --out masked_gluon.json    # 1-3 minutes on an H100
 
 1. **Errors.** On ragged shapes (N = 1000; N = 1008 for the dense element mask, whose rows the
    kernel reads 16 bytes at a time), GQA (4 query heads, 2 K/V heads), d = 64 and 128, fp16
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-CHILD_TIMEOUT_S = {"errors": 110, "speed": 170}
+CHILD_TIMEOUT_S = {"errors": 150, "speed": 200}  # cold compile caches included
 DTYPES = ("float16", "bfloat16")
 O_TOL = {"float16": 4e-3, "bfloat16": 3e-2}  # max |o - o_ref|, as tools/gluon_forward.py
 LSE_TOL = 1e-3

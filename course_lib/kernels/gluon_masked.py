@@ -38,7 +38,8 @@ if gh.available():
 
 VARIANT = "pingpong"  # the design it is built on (gluon_hopper's config and register budgets)
 TILE = 128  # BLOCK_M = BLOCK_N of the kernel, and so of the block masks it takes
-# Head dims the library sends here on an H100 (tools/gluon_masked.py measured both; see NOTES.md)
+# Head dims the library sends here on an H100: tools/gluon_masked.py measured both (fp16, N = 4k
+# and 16k, five masks): 1.35-1.53x the Triton masked forward at d=128, 1.09-1.22x at d=64.
 LIBRARY_HEAD_DIMS = (64, 128)
 
 
@@ -52,12 +53,6 @@ if gh.available():
         else:
             kv = gl.load(part_row + (t - n_full))
         return kv
-
-    @gluon.jit
-    def _partial_tile(part_row, t, n_full):
-        """The K/V tile of step ``t`` if it is a PARTIAL one (the consumers need its index for the
-        element mask), else 0, without a load."""
-        return gl.load(part_row + (t - n_full), mask=t >= n_full, other=0)
 
     @gluon.jit
     def _issue_tile(desc, ring, bars, b, h, t, kv, BAR0: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -103,15 +98,16 @@ if gh.available():
         return gl.convert_layout(entries, s_layout) != 0
 
     @gluon.jit
-    def _masked_step(s, m_i, l_i, t, n_full, kv, row0, rows, doc_q, n_q, n_k, lo, hi, DOC_K, MASK, stride_mn,
+    def _masked_step(s, m_i, l_i, t, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo, hi, DOC_K, MASK, stride_mn,
                      stride_mk, qk_scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr,
                      DOCS: gl.constexpr, DENSE_MASK: gl.constexpr, num_warps: gl.constexpr):
         """One online-softmax step on the raw scores of step ``t``; on a PARTIAL step (``t >=
-        n_full``, K/V tile ``kv``) the element mask first. A row with no visible key so far keeps ``m = -inf``
+        n_full``) the element mask first. A row with no visible key so far keeps ``m = -inf``
         and uses 0 as its max (exponentials of ``-inf`` are 0, not NaN). Returns
         (m_new, p, alpha, l_new) as :func:`~course_lib.kernels.gluon_hopper._softmax_step`."""
         s = s * qk_scale_log2
         if t >= n_full:
+            kv = gl.load(part_row + (t - n_full))
             cols = kv * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)  # keys past N were read as zeros
             seen = inside
@@ -162,21 +158,19 @@ if gh.available():
         mbarrier.wait(q_bar, 0)  # also when no step follows: O goes out through Q's buffer
 
         if n_tiles > 0:
-            kv = _partial_tile(part_row, 0, n_full)
             mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(turn.index(WG), 1 - WG)
             s_tok = warpgroup_mma(q_smem, gh._tile2d(k_ring, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(empty.index(0), count=1)
-            m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, 0, n_full, kv, row0, rows, doc_q, n_q, n_k, lo, hi,
+            m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, 0, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo, hi,
                                               DOC_K, MASK, stride_mn, stride_mk, qk_scale_log2, s_layout, BLOCK_N,
                                               BAND, DOCS, DENSE_MASK, num_warps)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             for t in range(1, n_tiles):
                 slot = t % STAGES
                 prev = (t - 1) % STAGES
-                kv = _partial_tile(part_row, t, n_full)  # loaded while we wait
                 mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
                 mbarrier.wait(ready.index(STAGES + prev), ((t - 1) // STAGES) & 1)
                 mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
@@ -186,7 +180,7 @@ if gh.available():
                 mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
                 mbarrier.arrive(empty.index(slot), count=1)  # K_t read
-                m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, t, n_full, kv, row0, rows, doc_q, n_q, n_k, lo,
+                m_i, p, alpha, l_i = _masked_step(s, m_i, l_i, t, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo,
                                                   hi, DOC_K, MASK, stride_mn, stride_mk, qk_scale_log2, s_layout,
                                                   BLOCK_N, BAND, DOCS, DENSE_MASK, num_warps)
                 acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
