@@ -305,6 +305,52 @@ def gluon_plot(data: dict):
     return fig
 
 
+GLUON_BACKWARD_FILE = RECORDED_DIR / "h100_gluon_backward.json"
+# (column label, impl in the file): the library with chapter 09's Gluon backward, with chapter
+# 07's Triton backward (COURSE_LIB_GLUON_BACKWARD=0), and SDPA's cuDNN backend.
+GLUON_BACKWARD_COLUMNS = (("Gluon", "course_gluon_bwd"), ("Triton (ch07)", "course_triton_bwd"),
+                          ("cuDNN", "sdpa_cudnn"))
+
+
+def load_gluon_backward(path: Path | str = GLUON_BACKWARD_FILE) -> dict | None:
+    """The recorded run of ``tools/gluon_backward.py`` on an H100 (keys ``meta``, ``compile``,
+    ``errors``, ``speed``), or None if ``path`` does not exist. ``speed`` rows: ``impl`` (see
+    :data:`GLUON_BACKWARD_COLUMNS`), ``dtype``, ``N``, ``causal`` and the TFLOP/s of ``fwd``,
+    ``fwd+bwd`` and ``bwd`` (forward+backward minus forward; d=128, B·N = 16k tokens, CUDA graphs)."""
+    return load_gluon(path)
+
+
+def gluon_backward_rows(data: dict) -> list[dict]:
+    """One row per (dtype, N, causal) cell: ``{"dtype", "N", "causal", "bwd": {impl: TFLOP/s},
+    "fwd+bwd": {impl: TFLOP/s}}`` for every impl of :data:`GLUON_BACKWARD_COLUMNS` (None where
+    it was not measured)."""
+    rows: dict = {}
+    for r in data["speed"]:
+        row = rows.setdefault((r["dtype"], r["N"], r["causal"]),
+                              {"dtype": r["dtype"], "N": r["N"], "causal": r["causal"], "bwd": {}, "fwd+bwd": {}})
+        row["bwd"][r["impl"]] = r["bwd"]
+        row["fwd+bwd"][r["impl"]] = r["fwd+bwd"]
+    return list(rows.values())
+
+
+def gluon_backward_table(data: dict) -> str:
+    """The recorded backward speed as text: a provenance line, then per cell the backward's TFLOP/s
+    of each column, the Gluon backward ÷ the Triton one and ÷ cuDNN's, and forward+backward ÷ cuDNN."""
+    head = (f"{'dtype':<9} {'N':>6} {'causal':>6} |" + "".join(f"{label:>14}" for label, _ in GLUON_BACKWARD_COLUMNS)
+            + f" | {'÷ Triton':>8} {'÷ cuDNN':>8} | {'fwd+bwd ÷ cuDNN':>15}")
+    lines = [provenance(data), "backward TFLOP/s (forward+backward minus forward), d=128, B·N = 16k tokens, "
+             "CUDA graphs", head, "-" * len(head)]
+    ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+    for row in gluon_backward_rows(data):
+        bwd, both = row["bwd"], row["fwd+bwd"]
+        lines.append(f"{row['dtype']:<9} {row['N']:>6} {str(row['causal']):>6} |"
+                     + "".join(f"{bwd.get(impl) or '-':>14}" for _, impl in GLUON_BACKWARD_COLUMNS)
+                     + f" | {ratio(bwd.get('course_gluon_bwd'), bwd.get('course_triton_bwd')):>8}"
+                     f" {ratio(bwd.get('course_gluon_bwd'), bwd.get('sdpa_cudnn')):>8} |"
+                     f" {ratio(both.get('course_gluon_bwd'), both.get('sdpa_cudnn')):>15}")
+    return "\n".join(lines)
+
+
 def source_excerpt(fn, start: str, end: str | None = None) -> str:
     """The lines of ``fn``'s source (a Python or ``@gluon.jit``/``@triton.jit`` function) from the
     first one containing ``start`` through the first one after it containing ``end`` (all of the

@@ -152,3 +152,30 @@ def test_gluon_kernel_facts_compiles_in_a_child_process():
     facts = hr.gluon_kernel_facts(("ws",), head_dim=64, causal=False)
     assert set(facts) == {"ws"}
     assert facts["ws"]["wait_group_1"] >= 1 and "dec 24" in facts["ws"]["setmaxnreg"], facts
+
+
+# ---------------------------------------------------------------- the Gluon backward (section 7)
+
+def test_gluon_backward_table_holds_the_recorded_numbers():
+    data = hr.load_gluon_backward()
+    rows = hr.gluon_backward_rows(data)
+    assert len(rows) == 12  # fp16/bf16 x N 1k/4k/16k x causal, d=128
+    lines = hr.gluon_backward_table(data).splitlines()
+    assert lines[0] == hr.provenance(data)
+    body = [line for line in lines if line.startswith(("float16", "bfloat16"))]
+    assert len(body) == len(rows)
+    for row, line in zip(rows, body):
+        bwd, both = row["bwd"], row["fwd+bwd"]
+        for _, impl in hr.GLUON_BACKWARD_COLUMNS:
+            assert bwd[impl] > 0 and str(bwd[impl]) in line, (impl, line)
+        ratios = line.split("|")[-2].split() + line.split("|")[-1].split()
+        assert ratios == [f"{bwd['course_gluon_bwd'] / bwd['course_triton_bwd']:.2f}",
+                          f"{bwd['course_gluon_bwd'] / bwd['sdpa_cudnn']:.2f}",
+                          f"{both['course_gluon_bwd'] / both['sdpa_cudnn']:.2f}"]
+
+
+def test_gluon_backward_missing_impl_and_file(tmp_path):
+    data = hr.load_gluon_backward()
+    partial = {"meta": data["meta"], "speed": [r for r in data["speed"] if r["impl"] != "sdpa_cudnn"]}
+    assert all(line.rstrip().endswith("-") for line in hr.gluon_backward_table(partial).splitlines()[4:])
+    assert hr.load_gluon_backward(tmp_path / "none.json") is None

@@ -25,7 +25,7 @@ import torch
 from course_lib import bench
 from course_lib.reference import naive_attention_torch
 
-CHECK_SHAPES = [(2, 3, 1000, 128), (1, 2, 2111, 128), (1, 1, 64, 128)]
+CHECK_SHAPES = [(2, 3, 1000, 128), (1, 2, 2111, 128), (1, 1, 64, 128), (2, 3, 1000, 64)]
 DTYPES = ("float16", "bfloat16")
 SEQ_LENS = (1024, 4096, 16384)
 # Max abs gradient error allowed, against float64, relative to the largest reference gradient.
@@ -49,7 +49,7 @@ def check_errors() -> list[dict]:
     for shape in CHECK_SHAPES:
         for dtype in DTYPES:
             for causal in (False, True):
-                for layout in ("contiguous", "bnhd") if shape[2] == 1000 else ("contiguous",):
+                for layout in ("contiguous", "bnhd") if shape[2:] == (1000, 128) else ("contiguous",):
                     b, h, n, d = shape
                     dt = getattr(torch, dtype)
 

@@ -225,7 +225,7 @@ def gluon_enabled() -> bool:
 # backward at these head dims. COURSE_LIB_GLUON_BACKWARD=0 (or COURSE_LIB_GLUON=0) keeps the
 # Triton backward of chapter 07.
 GLUON_BACKWARD_ENV = "COURSE_LIB_GLUON_BACKWARD"
-GLUON_BACKWARD_HEAD_DIMS = (128,)
+GLUON_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def gluon_backward_enabled() -> bool:
