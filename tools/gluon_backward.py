@@ -99,7 +99,9 @@ def speed() -> list[dict]:
                     batch, heads = bench.problem_shape(n, 128)
                     bwd = None
                     if cell["fwd"] and cell["fwd+bwd"]:
-                        ms = lambda p: bench.flops(batch, heads, n, 128, causal, p) / (cell[p] * 1e12) * 1e3  # noqa: E731
+                        def ms(pass_):
+                            return bench.flops(batch, heads, n, 128, causal, pass_) / (cell[pass_] * 1e12) * 1e3
+
                         bwd_ms = ms("fwd+bwd") - ms("fwd")
                         bwd = round((bench.flops(batch, heads, n, 128, causal, "fwd+bwd")
                                      - bench.flops(batch, heads, n, 128, causal, "fwd")) / (bwd_ms * 1e-3) / 1e12, 1)

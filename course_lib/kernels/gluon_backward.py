@@ -12,9 +12,11 @@ One program owns ``BLOCK_N`` = 128 keys of one (batch, head) and walks the query
 each) that see them. Three partitions:
 
 - a 1-warp **producer** (``LOADER_REGS`` registers per thread): copies K and V once, then Q_i
-  and dO_i of each query tile by TMA into a ring of ``STAGES`` slots, each slot with a "full"
-  mbarrier (the bytes have landed) and an "empty" one (the consumers are done with it);
-- two **consumer** warpgroups (8 warps, ``CONSUMER_REGS`` registers per thread), working together
+  and dO_i of each query tile by TMA into a ring of ``STAGES`` slots, and the tile's lse and Δ by
+  ``cp.async`` (each producer thread arrives on the slot's barrier once its copies land), each
+  slot with a "full" mbarrier (the bytes have landed) and an "empty" one (the consumers are done
+  with it);
+- two **consumer** warpgroups (8 warps, 240 registers per thread, what the producer leaves), working together
   on one product at a time (each wgmma is issued by one warpgroup and covers 64 rows: warpgroup 0
   owns keys 0-63 of the tile, warpgroup 1 keys 64-127). Per query tile:
 
@@ -34,8 +36,8 @@ each) that see them. Three partitions:
   07's two kernels.
 
 The scale is folded into dSᵀ once, so neither dK nor dQ needs a pass of its own. Query rows past
-N read as zeros (TMA) and get ``lse = +inf``, so their P is 0 without a mask; keys past N and the
-causal diagonal are masked on the tiles that need it only (the first two query tiles of a causal
+N read as zeros (TMA) and add nothing (their dO rows are zero too); keys past N and the causal
+diagonal are masked on the tiles that need it only (the first two query tiles of a causal
 program, every tile of the program that holds the ragged end of the keys).
 
 Not covered (the launcher raises ValueError, :func:`gluon_backward_unsupported_reason`): what the
@@ -105,8 +107,9 @@ if gluon_hopper.available():
                 async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
-    def _bwd_tile(t, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, st_zero, dq_zero, first, n_q, n_k, scale,
-                  qk_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    def _bwd_tile(t, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE,
+                  DELTA, dq_base, stats, keys, st_zero, dq_zero, first, n_q, n_k, scale, qk_scale_log2,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
                   a_layout: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr):
         """One query tile (the t-th of the program): every product, dK and dV updated and returned,
@@ -117,8 +120,9 @@ if gluon_hopper.available():
         dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
         slot = t % STAGES
         row0 = (first + t) * BLOCK_M
-        # lse and Δ of the tile's queries, read while the copies land. Rows past N get
-        # lse = +inf: their P is exp2(-inf) = 0, so they add nothing anywhere.
+        # lse and Δ of the tile's queries: read here while the copies land (rows past N get
+        # lse = +inf, so P = 0 there), or (STATS_ASYNC, the library's) copied by the producer with
+        # the tile (rows past N read as 0: their Q and dO rows are zeros, so they add nothing).
         cols = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
         if not STATS_ASYNC:
             lse_log2 = gl.load(LSE + stats + cols, mask=cols < n_q, other=float("inf")) * LOG2_E_GL
@@ -194,12 +198,7 @@ if gluon_hopper.available():
         # The atomic adds from a layout where each thread holds 4 neighbouring columns (16 bytes).
         add_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                                     warps_per_cta=[num_warps, 1], order=[1, 0])
-        keys_l: gl.constexpr = gl.SliceLayout(1, st_layout)  # one value per key (row of Sᵀ)
-        cols_l: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query (column of Sᵀ)
-
-        keys = start_n + gl.arange(0, BLOCK_N, layout=keys_l)
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # one per row of Sᵀ
         dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
         stats = pid_bh * n_q
         ragged_keys = start_n + BLOCK_N > n_k  # this program holds the last, partial key tile
