@@ -377,23 +377,31 @@ def source_excerpt(fn, start: str, end: str | None = None) -> str:
 
 def gluon_kernel_facts(variants=("overlap", "pingpong"), head_dim: int = 128, causal: bool = True) -> dict:
     """``{variant: gluon_hopper.kernel_facts}`` of each variant cross-compiled for sm_90 (fp16,
-    N = 1000), in a child Python process.
+    N = 1000), in a child Python process (see :func:`in_fresh_process`)."""
+    code = ("from course_lib.kernels import gluon_hopper as gh\n"
+            "result = {v: gh.cross_compile(v, head_dim=args['d'], dtype=torch.float16, causal=args['causal'],"
+            " n=1000) for v in args['variants']}\n")
+    return in_fresh_process(code, {"variants": list(variants), "d": head_dim, "causal": bool(causal)})
 
-    A child, because once the Triton interpreter has run a kernel in this process (the notebook
-    does so before section 7), ``triton.language`` stays patched for interpretation and Gluon's
+
+def in_fresh_process(code: str, args=None, timeout_s: int = 600):
+    """Run ``code`` in a child Python process and return the JSON value it leaves in ``result``
+    (``args``, any JSON value, is given to it as ``args``; ``json``, ``sys`` and ``torch`` are imported).
+
+    For Gluon compiles: once the Triton interpreter has run a kernel in this process (the
+    notebooks and many tests do), ``triton.language`` stays patched for interpretation and Gluon's
     compiler fails on ``gl.program_id``; a fresh process compiles cleanly (~3 s on a CPU)."""
+    import os
     import subprocess
     import sys
 
-    code = ("import json, sys, torch\n"
-            "from course_lib.kernels import gluon_hopper as gh\n"
-            "args = json.loads(sys.argv[1])\n"
-            "print(json.dumps({v: gh.cross_compile(v, head_dim=args['d'], dtype=torch.float16, causal=args['causal'],"
-            " n=1000) for v in args['variants']}))\n")
-    arg = json.dumps({"variants": list(variants), "d": head_dim, "causal": bool(causal)})
+    prog = ("import json, sys, torch\nargs = json.loads(sys.argv[1])\n" + code
+            + "\nprint(json.dumps(result))\n")
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, cwd=root,
-                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", prog, json.dumps(args)], capture_output=True, text=True, cwd=root,
+                          env=env, timeout=timeout_s)
     if done.returncode:
-        raise RuntimeError(f"cross-compiling {list(variants)} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"the child process failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

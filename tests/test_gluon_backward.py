@@ -10,8 +10,6 @@ it computes the right gradients needs a Hopper GPU: the GPU test below, and
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -25,19 +23,36 @@ H100_BLOCK_SHARED_BYTES = 227 * 1024
 WGMMA_PER_TILE_PAIR = 5  # S^T, dP^T, dV, dK, dQ: the one-pass backward's products
 
 
+# Compiled in a child process (hopper_results.in_fresh_process): Gluon cannot compile in a process
+# where Triton's interpreter has already run a kernel, as other tests in the same worker do.
+COMPILE = """
+import re
+from triton.runtime import driver
+from course_lib.kernels import gluon_backward as gb
+result = {}
+for causal in (False, True):
+    before = driver._active
+    facts = gb.cross_compile(causal=causal, n=1000)
+    ptx = gb.attention_backward_gluon.last_kernel.asm["ptx"]
+    facts["commit_groups"] = ptx.count("wgmma.commit_group")
+    facts["vector_atomics"] = len(re.findall(r"atom\\.global\\.gpu\\.relaxed\\.add\\.v[24]\\.f32", ptx))
+    facts["driver_put_back"] = driver._active is before
+    result[str(causal)] = facts
+"""
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    """kernel_facts and PTX of the library's config, causal and not (compiled once per module)."""
-    out = {}
-    for causal in (False, True):
-        facts = gb.cross_compile(causal=causal, n=1000)
-        out[causal] = (facts, gb.attention_backward_gluon.last_kernel.asm["ptx"])
-    return out
+    """kernel_facts (and a few PTX counts) of the library's config, causal and not."""
+    from course_lib import hopper_results
+
+    out = hopper_results.in_fresh_process(COMPILE)
+    return {causal: out[str(causal)] for causal in (False, True)}
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiles_within_an_h100_block(compiled, causal):
-    facts, _ = compiled[causal]
+    facts = compiled[causal]
     assert 0 < facts["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, facts
     assert facts["registers"] <= 255, facts
     # A few words of spilled scalars are tolerated (read back from L1); the tiles must stay in registers.
@@ -46,7 +61,7 @@ def test_compiles_within_an_h100_block(compiled, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_partitions_get_their_register_budgets(compiled, causal):
-    facts, _ = compiled[causal]
+    facts = compiled[causal]
     assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"], facts
     assert "inc 240" in facts["setmaxnreg"], facts  # the consumers: the dK and dV tiles alone take 128
 
@@ -54,17 +69,13 @@ def test_partitions_get_their_register_budgets(compiled, causal):
 def test_five_products_per_tile_pair(compiled):
     """Both loops (masked and not) issue S^T, dP^T, dV, dK and dQ as wgmma: one wgmma group each,
     so 2 x 5 "commit_group"s in the PTX, and the dQ product reads dS^T transposed from shared memory."""
-    _, ptx = compiled[True]
-    assert ptx.count("wgmma.commit_group") == 2 * WGMMA_PER_TILE_PAIR
-    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.add\.v[24]\.f32", ptx)) > 0  # dQ: vector atomics
+    facts = compiled[True]
+    assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR, facts
+    assert facts["vector_atomics"] > 0, facts  # dQ: vector atomics
 
 
-def test_cross_compile_puts_the_driver_back():
-    from triton.runtime import driver
-
-    before = driver._active
-    gb.cross_compile(causal=False, n=128)
-    assert driver._active is before
+def test_cross_compile_puts_the_driver_back(compiled):
+    assert compiled[False]["driver_put_back"] and compiled[True]["driver_put_back"]
 
 
 def _cpu(shape=(1, 2, 64, 128), dtype=torch.float16):
