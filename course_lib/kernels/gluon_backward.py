@@ -370,24 +370,8 @@ attention_backward_gluon.last_kernel = None
 def cross_compile(causal: bool = True, dtype=torch.float16, n: int = 1000, head_dim: int = 128,
                   config: dict | None = None) -> dict:
     """Compile the kernel for sm_90 without a GPU and return :func:`gluon_hopper.kernel_facts`."""
-    import os
-
-    from triton.runtime import driver
-
-    from course_lib.reach import StandInDriver
-
-    old_interpret = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    old_driver = driver._active
-    driver.set_active(StandInDriver(90))
-    try:
+    with gluon_hopper.stand_in_sm90():
         x = torch.zeros(1, 1, n, head_dim, dtype=dtype)
         lse = torch.zeros(1, 1, n, dtype=torch.float32)
         attention_backward_gluon(x, x, x, x, x, lse, causal, head_dim ** -0.5, config=config)
         return gluon_hopper.kernel_facts(attention_backward_gluon.last_kernel)
-    finally:
-        driver._active = old_driver
-        if old_interpret is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old_interpret
