@@ -187,14 +187,16 @@ def speedup_summary(data: dict, pass_: str = "fwd", baseline: str = "flex",
 def proportionality(data: dict, pass_: str = "fwd", dtype: str = DEFAULT_DTYPE,
                     n: int | None = None) -> list[dict]:
     """Is the masked kernel's time proportional to the work? For each ``course`` row, its time
-    against two predictions at the same length: *dense time × density* with the chapters 06-09
-    kernel on the full matrix (``course_dense``), and *own full time × density* with the masked
-    kernel itself on the full mask (``course``, pattern ``full``).
+    against predictions at the same length: *dense time × density* with the chapters 06-09
+    kernel on the full matrix (``course_dense``), the same with the fraction of *tiles* visited
+    (the work the kernel does: a partial tile costs a full one), and *own full time × density*
+    with the masked kernel itself on the full mask (``course``, pattern ``full``).
 
-    Returns ``[{"N", "label", "density", "ms", "predicted_ms", "ratio", "ratio_own"}, ...]``:
-    ``ratio`` = ms ÷ (dense time × density), ``ratio_own`` = ms ÷ (own full time × density);
-    1.0 is exactly proportional, above 1 slower than the visited work suggests. Rows whose
-    length lacks a full-mask measurement are left out.
+    Returns ``[{"N", "label", "density", "tile_density", "ms", "predicted_ms", "ratio",
+    "ratio_tiles", "ratio_own"}, ...]``: ``ratio`` = ms ÷ (dense time × density), ``ratio_tiles``
+    = ms ÷ (dense time × tile density), ``ratio_own`` = ms ÷ (own full time × density); 1.0 is
+    exactly proportional, above 1 slower than the visited work suggests. Rows whose length lacks
+    a full-mask measurement are left out.
     """
     out = []
     for row in rows_of(data, "course", pass_, dtype, n):
@@ -204,7 +206,8 @@ def proportionality(data: dict, pass_: str = "fwd", dtype: str = DEFAULT_DTYPE,
             continue
         predicted = dense["ms"] * row["density"]
         out.append({"N": row["N"], "label": row["label"], "density": row["density"],
-                    "ms": row["ms"], "predicted_ms": predicted, "ratio": row["ms"] / predicted,
+                    "tile_density": row["tile_density"], "ms": row["ms"], "predicted_ms": predicted,
+                    "ratio": row["ms"] / predicted, "ratio_tiles": row["ms"] / (dense["ms"] * row["tile_density"]),
                     "ratio_own": row["ms"] / (own["ms"] * row["density"])})
     return out
 
@@ -213,11 +216,12 @@ def format_proportionality(data: dict, pass_: str = "fwd", dtype: str = DEFAULT_
                            n: int | None = None) -> str:
     """:func:`proportionality` as a text table, one line per cell."""
     lines = [f"{PASS_NAMES[pass_]}, {dtype}: our time against the work it visits",
-             f"{'N':>6} {'pattern':<20} {'density':>7} {'ms':>8} {'dense x dens.':>13} "
-             f"{'ratio':>6} {'ratio to own full x dens.':>26}"]
+             f"{'N':>6} {'pattern':<20} {'density':>7} {'tiles':>6} {'ms':>8} {'dense x dens.':>13} "
+             f"{'ratio':>6} {'ratio (tiles)':>13} {'ratio to own full x dens.':>26}"]
     for p in proportionality(data, pass_, dtype, n):
-        lines.append(f"{p['N']:>6} {p['label']:<20} {p['density']:>7.1%} {p['ms']:>8.3f} "
-                     f"{p['predicted_ms']:>13.3f} {p['ratio']:>6.2f} {p['ratio_own']:>26.2f}")
+        lines.append(f"{p['N']:>6} {p['label']:<20} {p['density']:>7.1%} {p['tile_density']:>6.1%} {p['ms']:>8.3f} "
+                     f"{p['predicted_ms']:>13.3f} {p['ratio']:>6.2f} {p['ratio_tiles']:>13.2f} "
+                     f"{p['ratio_own']:>26.2f}")
     return "\n".join(lines)
 
 

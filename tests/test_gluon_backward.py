@@ -21,6 +21,7 @@ if not gh.available():  # pragma: no cover - depends on the installed Triton
 
 H100_BLOCK_SHARED_BYTES = 227 * 1024
 WGMMA_PER_TILE_PAIR = 5  # S^T, dP^T, dV, dK, dQ: the one-pass backward's products
+GRAD_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # on top of twice the Triton backward's error
 
 
 # Compiled in a child process (hopper_results.in_fresh_process): Gluon cannot compile in a process
@@ -38,6 +39,12 @@ for causal in (False, True):
     facts["vector_atomics"] = len(re.findall(r"atom\\.global\\.gpu\\.relaxed\\.add\\.v[24]\\.f32", ptx))
     facts["driver_put_back"] = driver._active is before
     result[str(causal)] = facts
+# the masked backward on a mask with both kinds of rule (documents, and a causal band), GQA group 2
+facts = gb.cross_compile_masked(q_shape=(1, 4, 1000, 128), kv_heads=2, documents=3, causal=True)
+ptx = gb.masked_backward_gluon.last_kernel.asm["ptx"]
+facts["commit_groups"] = ptx.count("wgmma.commit_group")
+facts["vector_atomics"] = len(re.findall(r"atom\\.global\\.gpu\\.relaxed\\.add\\.v[24]\\.f32", ptx))
+result["masked"] = facts
 """
 
 
@@ -47,7 +54,7 @@ def compiled():
     from course_lib import hopper_results
 
     out = hopper_results.in_fresh_process(COMPILE)
-    return {causal: out[str(causal)] for causal in (False, True)}
+    return {**{causal: out[str(causal)] for causal in (False, True)}, "masked": out["masked"]}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -72,6 +79,16 @@ def test_five_products_per_tile_pair(compiled):
     facts = compiled[True]
     assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR, facts
     assert facts["vector_atomics"] > 0, facts  # dQ: vector atomics
+
+
+def test_masked_backward_compiles_with_the_same_design(compiled):
+    """The masked kernel (tile lists, documents and a band, GQA) keeps the dense one's budgets, its
+    shared memory and its 5 products per step in each of its two loops (FULL steps, PARTIAL ones)."""
+    facts = compiled["masked"]
+    assert 0 < facts["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, facts
+    assert facts["spill_bytes"] <= gb.MASKED_SPILL_BYTES_ALLOWED, facts
+    assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"] and "inc 240" in facts["setmaxnreg"], facts
+    assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR and facts["vector_atomics"] > 0, facts
 
 
 def test_cross_compile_puts_the_driver_back(compiled):
@@ -118,9 +135,48 @@ def test_lse_must_match():
         driver._active = before
 
 
+def _masked_inputs(seq_lens=None):
+    """CPU q, k (GQA: 2 K/V heads for 4 query heads) and the library's plan for a causal window
+    of 128x128 tiles (the kernel's; the interpreter's own would be 64x64), or for ``seq_lens``."""
+    from course_lib import blockmask as bm
+    from course_lib.kernels import api
+
+    q, k = _cpu((2, 4, 256, 128)), _cpu((2, 2, 256, 128))
+    if seq_lens is not None:
+        *_, plan = api._masked_call(q, k, k, True, None, None, seq_lens, None)
+    else:
+        window = bm.sliding_window_block_mask(256, 256, (100, 0), 128, 128, causal=True)
+        *_, plan = api._masked_call(q, k, k, False, None, None, None, window)
+    return q, k, plan
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(seq_lens=torch.tensor([256, 100])), "per-sample lengths"),
+    (dict(o=_cpu((2, 4, 255, 128))), "o must be shaped like q"),
+    (dict(lse=torch.zeros(2, 4, 256, dtype=torch.float16)), "lse must be float32"),
+])
+def test_masked_backward_names_what_it_does_not_cover(change, match):
+    from triton.runtime import driver
+
+    from course_lib.reach import StandInDriver
+
+    q, k, plan = _masked_inputs(change.get("seq_lens"))
+    o = change.get("o", q)
+    lse = change.get("lse", torch.zeros(q.shape[:-1]))
+    before = driver._active
+    driver.set_active(StandInDriver(90))
+    try:
+        with pytest.raises(ValueError, match=match):
+            gb.masked_backward_gluon(q, q, k, k, o, lse, 0.1, plan)
+    finally:
+        driver._active = before
+
+
 def test_the_library_keeps_the_triton_backward_off_hopper():
     x = _cpu()
     assert not gb.library_uses_gluon_backward(x, x, x, x, x)
+    q, k, plan = _masked_inputs()
+    assert not gb.library_uses_gluon_masked_backward(q, k, k, q, q, plan)
 
 
 @pytest.mark.gpu
@@ -151,3 +207,46 @@ def test_library_backward_takes_gluon_on_hopper(causal, n, d, monkeypatch):
     monkeypatch.setenv("COURSE_LIB_GLUON_BACKWARD", "0")
     torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
     assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_masked_backward_takes_gluon_on_hopper(d, dtype, monkeypatch):
+    """On an H100, masked calls (ragged N, GQA group 2, each mask kind of test_gluon_masked) take the
+    Gluon one-pass backward unless deterministic=True; its gradients are as close to float64 as the
+    two Triton kernels', and rows that see no key get zero gradients."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is Hopper-only (compute capability 9.x); this GPU is not")
+    from test_gluon_masked import _gpu_cases
+    from test_kernels_masked import reference
+
+    from course_lib import flash_attention
+
+    calls = []
+    real = gb.masked_backward_gluon
+    monkeypatch.setattr(gb, "masked_backward_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for n in (1000, 1008):  # 1008: the dense mask's rows are 16-byte aligned (1000: Triton's)
+        gen = torch.Generator(device="cuda").manual_seed(d + n)
+        q = torch.randn(2, 4, n, d, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(2, 2, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        do = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+        for name, kwargs, mask in _gpu_cases(n, 2):
+            exact = [x.double().requires_grad_() for x in (q, k, v)]
+            o_ref, lse_ref = reference(*exact, mask.cuda())
+            ref = torch.autograd.grad(o_ref, exact, do.double())
+            grads = {}
+            for deterministic in (False, True):
+                calls.clear()
+                leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                o = flash_attention(*leaves, deterministic=deterministic, **kwargs)
+                grads[deterministic] = torch.autograd.grad(o, leaves, do)
+                gluon = not deterministic and not (name == "dense mask" and n == 1000)
+                assert calls == ([1] if gluon else []), (name, n, deterministic)
+            empty = torch.isinf(lse_ref)  # (B, H, N): rows that see no key
+            assert (grads[False][0][empty] == 0).all(), name
+            for i, which in enumerate(("dq", "dk", "dv")):
+                err = (grads[False][i].double() - ref[i]).abs().max().item()
+                err_t = (grads[True][i].double() - ref[i]).abs().max().item()
+                print(f"{dtype} d={d} n={n} {name:14s} {which}: gluon {err:.2e} triton {err_t:.2e}")
+                assert err <= 2 * err_t + GRAD_ATOL[dtype], (name, n, which, err, err_t)

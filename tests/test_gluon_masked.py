@@ -150,6 +150,11 @@ def test_tile_order_takes_the_heaviest_q_tiles_first():
     assert (counts[order].diff() <= 0).all() and counts.unique().numel() > 1
     assert gm.tile_order(docs, heaviest_first=False).tolist() == [[list(range(7, -1, -1))]]
     assert gm.tile_order(docs) is gm.tile_order(docs)  # computed once per block mask
+    # the backward's order, over the K/V tiles (the transposed lists): causal, the first ones first
+    assert gm.tile_order(causal, transposed=True).tolist() == [[list(range(8))]]
+    order_t = gm.tile_order(docs, transposed=True)[0, 0].long()
+    counts_t = (docs.full_q_num_blocks + docs.q_num_blocks)[0, 0]
+    assert sorted(order_t.tolist()) == list(range(8)) and (counts_t[order_t].diff() <= 0).all()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -162,6 +162,7 @@ def test_results_present_are_read(recorded_file):
     assert props["causal"]["predicted_ms"] == pytest.approx(1.6 * 0.5)
     assert props["causal"]["ratio"] == pytest.approx(1.1 / 0.8)
     assert props["causal"]["ratio_own"] == pytest.approx(1.1 / 1.0)
+    assert props["causal"]["ratio_tiles"] == pytest.approx(1.1 / (1.6 * props["causal"]["tile_density"]))
     assert "random 25% blocks" in mask_results.format_proportionality(data)
     assert mask_results.proportionality(data, "fwd+bwd") == []  # no full-mask row to scale
     fig = mask_results.plot_density(data)

@@ -10,7 +10,10 @@ down to ~10%:
 - ``documents`` (2, 4, 10 documents of random lengths, tokens attend within their document);
 - ``random`` block-sparse layouts over 128x128 blocks (50%, 25%, 10% of the blocks kept).
 
-it times forward and forward+backward (median of ``triton.testing.do_bench``) of
+it times forward and forward+backward of the implementations below: the median of
+``course_lib.bench``'s timer (``--timer cudagraph``, the default, as the bench grid: the call
+replayed in a CUDA graph, so the time is the GPU's alone; ``events``: ``triton.testing.do_bench``,
+Python launch overhead included, which at N = 4k is a fair part of a masked call's time) of
 
 - ``course``        ``course_lib.flash_attention`` with the mask as its chapter 10 arguments
   (``window=``, ``block_mask=``): the masked kernels, visited tiles only;
@@ -45,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from course_lib.bench import flops, machine_meta, problem_shape  # noqa: E402
+from course_lib.bench import TIMERS, _time_ms, flops, machine_meta, problem_shape  # noqa: E402
 
 D = 128
 SEQ_LENS = (4096, 8192, 16384, 32768)
@@ -256,7 +259,7 @@ APPLIES = {"course": lambda p: True, "course_dense": lambda p: p.dense_kwargs is
            "fa2_varlen": lambda p: p.varlen is not None}
 
 
-def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True):
+def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True, timer="cudagraph"):
     """One row, or None (printed: why) if the implementation cannot run this cell."""
     import torch
     import triton
@@ -281,8 +284,12 @@ def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True):
                     fn(q, k, v)
         step()  # compile, and find out whether it runs at all
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms,
-                                     grad_to_none=[q, k, v] if needs_grad else None, return_mode="median")
+        grads = [q, k, v] if needs_grad else None
+        if timer == "cudagraph":
+            ms, timer = _time_ms(step, timer, grads)
+        else:
+            ms = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads,
+                                         return_mode="median")
     except (RuntimeError, TypeError, ValueError, NotImplementedError, torch.OutOfMemoryError) as err:
         print(f"  {impl:13s} {dtype} N={pattern.n} {pattern.label()} {pass_}: not run "
               f"({str(err).splitlines()[0][:100] if str(err) else type(err).__name__})")
@@ -294,7 +301,7 @@ def measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms, flex_dynamic=True):
     return {"impl": impl, "dtype": dtype, "d": D, "N": pattern.n, "batch": pattern.batch, "heads": pattern.heads,
             "pattern": pattern.kind, "param": pattern.param, "label": pattern.label(),
             "density": round(pattern.density, 4), "tile_density": round(pattern.tile_density, 4),
-            "pass": pass_, "ms": round(ms, 4), "tflops": round(work / (ms * 1e-3) / 1e12, 2)}
+            "pass": pass_, "ms": round(ms, 4), "tflops": round(work / (ms * 1e-3) / 1e12, 2), "timer": timer}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,12 +317,14 @@ def _cell(rows, impl, **key):
 
 def format_table(data: dict, pass_: str) -> str:
     """Per cell: ms of each implementation, course ÷ flex speedup, and the proportionality
-    ``course ms / (course_dense full ms × density)`` (1.0 = time exactly proportional)."""
+    ``course ms / (course_dense full ms × tile density)`` (1.0 = time exactly proportional to the
+    visited tiles; ``vis``: the same over the visible fraction of the scores, which also counts
+    the masked-out half of each diagonal tile as waste)."""
     rows = [r for r in data["rows"] if r["pass"] == pass_]
     lines = [f"{pass_}: milliseconds (lower is better); x flex = flex ms / course ms; "
-             f"prop = course ms / (dense full ms x density)",
+             f"prop = course ms / (dense full ms x tile density), vis = the same x visible density",
              f"{'dtype':8s} {'N':>6s} {'pattern':24s} {'dens':>5s} {'tiles':>5s} {'course':>8s} {'dense':>8s} "
-             f"{'c.varlen':>8s} {'flex':>8s} {'fa2 vl':>8s} {'x flex':>6s} {'x fa2':>6s} {'prop':>5s}"]
+             f"{'c.varlen':>8s} {'flex':>8s} {'fa2 vl':>8s} {'x flex':>6s} {'x fa2':>6s} {'prop':>5s} {'vis':>5s}"]
     seen = []
     for r in rows:
         key = (r["dtype"], r["N"], r["label"])
@@ -332,10 +341,11 @@ def format_table(data: dict, pass_: str) -> str:
         x_flex = ms["flex"] / ms["course"] if ms["flex"] and ms["course"] else None
         fast = min([x for x in (ms["course"], ms["course_varlen"]) if x] or [0]) or None
         x_fa2 = ms["fa2_varlen"] / fast if ms["fa2_varlen"] and fast else None
-        prop = ms["course"] / (full["ms"] * r["density"]) if full and ms["course"] else None
+        prop = ms["course"] / (full["ms"] * r["tile_density"]) if full and ms["course"] else None
+        vis = ms["course"] / (full["ms"] * r["density"]) if full and ms["course"] else None
         lines.append(f"{r['dtype']:8s} {r['N']:6d} {r['label']:24s} {r['density']:5.2f} {r['tile_density']:5.2f} "
                      f"{fmt(ms['course'])} {fmt(ms['course_dense'])} {fmt(ms['course_varlen'])} {fmt(ms['flex'])} "
-                     f"{fmt(ms['fa2_varlen'])} {fmt(x_flex, 6, 2)} {fmt(x_fa2, 6, 2)} {fmt(prop, 5, 2)}")
+                     f"{fmt(ms['fa2_varlen'])} {fmt(x_flex, 6, 2)} {fmt(x_fa2, 6, 2)} {fmt(prop, 5, 2)} {fmt(vis, 5, 2)}")
     return "\n".join(lines)
 
 
@@ -382,6 +392,9 @@ def main(argv=None) -> dict:
                         "under 8 minutes)")
     p.add_argument("--flex-static", action="store_true",
                    help="compile flex_attention for each N (dynamic=False): slower to compile")
+    p.add_argument("--timer", default="cudagraph", choices=TIMERS,
+                   help="cudagraph: GPU time, the call replayed in a CUDA graph (default, as course_lib.bench); "
+                        "events: triton.testing.do_bench, Python launch overhead included")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
 
@@ -399,7 +412,8 @@ def main(argv=None) -> dict:
     meta = machine_meta()
     meta.update(tool="tools/bench_masks.py", argv=" ".join(argv if argv is not None else sys.argv[1:]),
                 head_dim=D, tokens="batch*N = 16k", model_dim="heads*d = 2048",
-                flex=f"torch.compile(flex_attention, dynamic={not args.flex_static}), BLOCK_SIZE={FLEX_BLOCK}")
+                flex=f"torch.compile(flex_attention, dynamic={not args.flex_static}), BLOCK_SIZE={FLEX_BLOCK}",
+                timer=args.timer)
     data = {"meta": meta, "rows": [], "skipped": []}
     start = time.perf_counter()
 
@@ -420,7 +434,7 @@ def main(argv=None) -> dict:
                             data["skipped"].append(f"{impl} {dtype} N={n} {pattern.label()} {pass_}")
                             continue
                         row = measure(impl, pattern, dtype, pass_, warmup_ms, rep_ms,
-                                      flex_dynamic=not args.flex_static)
+                                      flex_dynamic=not args.flex_static, timer=args.timer)
                         if row:
                             data["rows"].append(row)
                             print(f"  {impl:13s} {dtype} N={n:6d} {pattern.label():24s} {pass_:7s} "

@@ -17,6 +17,12 @@
    the Gluon kernel taking the Q tiles from the last to the first instead of heaviest first
    (:func:`course_lib.kernels.gluon_masked.tile_order`).
 
+3. **Backward** (``--parts backward``). The same cells at d = 128: the median time of the masked
+   backward alone, the Gluon one-pass kernel
+   (:func:`course_lib.kernels.gluon_backward.masked_backward_gluon`, the library's default on
+   Hopper) against the two Triton kernels (``deterministic=True``), and against the dense Gluon
+   backward times the fraction of tiles visited.
+
 Each part runs in a child process with a time limit (a kernel waiting on a barrier that never
 completes would hang the GPU): a failure is reported and the script goes on.
 """
@@ -36,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-CHILD_TIMEOUT_S = {"errors": 150, "speed": 200}  # cold compile caches included
+CHILD_TIMEOUT_S = {"errors": 150, "speed": 200, "backward": 200}  # cold compile caches included
 DTYPES = ("float16", "bfloat16")
 O_TOL = {"float16": 4e-3, "bfloat16": 3e-2}  # max |o - o_ref|, as tools/gluon_forward.py
 LSE_TOL = 1e-3
@@ -208,6 +214,49 @@ def speed() -> list[dict]:
     return rows
 
 
+def backward_speed() -> list[dict]:
+    import torch
+
+    from bench_masks import Pattern
+    from course_lib.kernels import api, masked
+    from course_lib.kernels import gluon_backward as gb
+    from course_lib.kernels import gluon_hopper as gh
+
+    rows, dense_ms = [], {}
+    d = 128
+    for n in SPEED_SEQ_LENS:
+        for kind, param in SPEED_PATTERNS:
+            batch, heads = 16384 // n, 16
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.float16, generator=gen)
+                           for _ in range(4))
+            pattern = Pattern(kind, param, batch, heads, n, "cuda")
+            kw = pattern.course_kwargs
+            q4, k4, v4, scale, plan = api._masked_call(q, k, v, kw.get("causal", False), None, kw.get("window"),
+                                                       None, kw.get("block_mask"))
+            density = plan.block_mask.density()
+            if n not in dense_ms:
+                o_d, lse_d = gh.attention_forward_gluon(q, k, v, False, scale, variant="pingpong")
+                dense_ms[n] = time_ms(lambda: gb.attention_backward_gluon(do, q, k, v, o_d, lse_d, False, scale))
+            o, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+            gluon = time_ms(lambda: gb.masked_backward_gluon(do, q4, k4, v4, o, lse, scale, plan))
+            triton_ms = time_ms(lambda: masked.masked_backward(do, q4, k4, v4, o, lse, scale, plan,
+                                                               deterministic=True))
+            ideal = dense_ms[n] * density
+            row = {"d": d, "N": n, "batch": batch, "heads": heads, "dtype": "float16", "pattern": pattern.label(),
+                   "tile_density": round(density, 4), "dense_gluon_bwd_ms": round(dense_ms[n], 4),
+                   "gluon_masked_bwd_ms": round(gluon, 4), "triton_masked_bwd_ms": round(triton_ms, 4),
+                   "gluon_vs_ideal": round(gluon / ideal, 3), "triton_vs_ideal": round(triton_ms / ideal, 3),
+                   "gluon_speedup": round(triton_ms / gluon, 3)}
+            rows.append(row)
+            print(f"  bwd N={n:6} {row['pattern']:22} density {density:.3f} | dense {dense_ms[n]:.3f} ms | "
+                  f"gluon {gluon:.3f} ms ({row['gluon_vs_ideal']:.2f}x ideal) | triton {triton_ms:.3f} ms "
+                  f"({row['triton_vs_ideal']:.2f}x ideal) | gluon {row['gluon_speedup']:.2f}x faster", flush=True)
+            q = k = v = do = q4 = k4 = v4 = o = lse = None
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_child(part: str) -> list[dict]:
     """One part in a fresh process with a time limit; its rows, or [] (printed: why)."""
     with contextlib.ExitStack() as stack:
@@ -234,11 +283,11 @@ def run_child(part: str) -> list[dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--parts", default="errors,speed", help="comma-separated: errors, speed")
+    parser.add_argument("--parts", default="errors,speed,backward", help="comma-separated: errors, speed, backward")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        rows = check_errors() if args.child == "errors" else speed()
+        rows = {"errors": check_errors, "speed": speed, "backward": backward_speed}[args.child]()
         with open(args.out, "w") as f:
             json.dump(rows, f)
         return {"rows": rows}
@@ -264,6 +313,12 @@ def main(argv=None) -> dict:
         fit = [r for r in result["speed"] if r["d"] == 128 and r["tile_density"] >= 0.25]
         print(f"speed, d=128, density >= 25%: gluon/ideal max {max(r['gluon_vs_ideal'] for r in fit):.2f}, "
               f"triton/ideal max {max(r['triton_vs_ideal'] for r in fit):.2f} (target {TARGET})")
+    if result.get("backward"):
+        fit = [r for r in result["backward"] if r["tile_density"] >= 0.25]
+        print(f"backward, d=128, density >= 25%: gluon/ideal max {max(r['gluon_vs_ideal'] for r in fit):.2f}, "
+              f"triton/ideal max {max(r['triton_vs_ideal'] for r in fit):.2f}; gluon "
+              f"{min(r['gluon_speedup'] for r in result['backward']):.2f}-"
+              f"{max(r['gluon_speedup'] for r in result['backward']):.2f}x the Triton backward")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -213,7 +213,9 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
             dV and dQ, dQ summed with fp32 atomic adds; on a GPU the order of the adds, and so the
             last bits of dQ, can differ between runs). True: the two-kernel backward (dK/dV, then
             dQ, no atomics): bit-for-bit reproducible, and slower (it recomputes the score tiles).
-            The masked kernels' backward is always deterministic.
+            With masks the same holds on Hopper (the Gluon one-pass masked backward, or the two
+            Triton kernels); elsewhere, and for ``seq_lens``, the masked backward is always the
+            deterministic one.
 
     Returns:
         ``o``: ``(..., N_q, d)`` in q's dtype. Differentiable w.r.t. q, k and v.
@@ -222,7 +224,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _uses_masks(q, k, window, seq_lens, block_mask):
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
-        return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan).reshape(q.shape)
+        return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic).reshape(q.shape)
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
@@ -393,17 +395,18 @@ class MaskedAttentionFunction(torch.autograd.Function):
     """Autograd glue of the masked kernels, on ``(B, H, N, d)`` views and a ``MaskPlan``."""
 
     @staticmethod
-    def forward(ctx, q4, k4, v4, scale: float, plan):
+    def forward(ctx, q4, k4, v4, scale: float, plan, deterministic: bool = True):
         o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
         ctx.save_for_backward(q4, k4, v4, o4, lse)
-        ctx.scale, ctx.plan = scale, plan
+        ctx.scale, ctx.plan, ctx.deterministic = scale, plan, deterministic
         return o4
 
     @staticmethod
     def backward(ctx, do):
         q4, k4, v4, o4, lse = ctx.saved_tensors
-        dq, dk, dv = masked.masked_backward(do, q4, k4, v4, o4, lse, ctx.scale, ctx.plan)
-        return dq, dk, dv, None, None
+        dq, dk, dv = masked.masked_backward(do, q4, k4, v4, o4, lse, ctx.scale, ctx.plan,
+                                            deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
 def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, device):

@@ -42,7 +42,19 @@ program, every tile of the program that holds the ragged end of the keys).
 
 Not covered (the launcher raises ValueError, :func:`gluon_backward_unsupported_reason`): what the
 Gluon forward does not cover (non-Hopper GPUs, dtypes other than fp16/bf16, ``N_q != N_k``,
-strides TMA cannot read), and head dims other than 128.
+strides TMA cannot read), and head dims other than 64 and 128.
+
+**The masked backward** (chapter 10, :func:`masked_backward_gluon`) is the same program walking
+block-mask lists instead of a range of query tiles (``LISTS``): one program per 128-key K/V tile
+of one (batch, K/V head) reads the *transposed* lists (which Q tiles visit this K/V tile), and for
+each query head of the K/V head's GQA group takes the Q tiles of its FULL list (no element mask)
+and then of its PARTIAL list (the element mask of :func:`course_lib.kernels.masked.visible`,
+transposed: band, document ids, a dense boolean mask), 64 query rows a step. The producer walks
+the same steps, so the ring's slots and phases follow one running step count. dK and dV are
+summed over the group in registers; dQ of each query head goes to the fp32 buffer by atomics. A
+saved ``lse = -inf`` (a row that saw no key) is read as ``+inf``, so its P is 0. Programs take
+the K/V tiles with the most Q tiles first (:func:`course_lib.kernels.gluon_masked.tile_order`).
+Covered: what the masked Gluon forward covers (no per-sample lengths, 128x128 block-mask tiles).
 """
 
 from __future__ import annotations
@@ -50,7 +62,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from course_lib.kernels import gluon_hopper
+from course_lib.blockmask import UNBOUNDED
+from course_lib.kernels import gluon_hopper, gluon_masked
 
 try:
     from triton.experimental import gluon
@@ -67,6 +80,9 @@ HEAD_DIMS = (64, 128)
 # memory (16-byte atomics). Measured on an H100 (NOTES.md): the wide adds are 10% faster.
 DQ_BY_CONSUMER, DQ_BY_CONSUMER_WIDE = 0, 1
 SPILL_BYTES_ALLOWED = 64  # a few scalars; measured by tests/test_gluon_backward.py
+# The masked kernel keeps the lists' pointers and counters live across its loops: 136 bytes
+# measured (documents + band, Triton 3.7.1), 200 with a dense element mask (3.6.0)
+MASKED_SPILL_BYTES_ALLOWED = 256
 CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "num_warps": 8, "LOADER_REGS": 24,
           "DQ_MODE": DQ_BY_CONSUMER_WIDE,
           "STATS_ASYNC": 1}
@@ -75,62 +91,111 @@ LOG2_E = gluon_hopper.LOG2_E
 
 if gluon_hopper.available():
     LOG2_E_GL = gl.constexpr(LOG2_E)
+    UNBOUNDED_GL = gl.constexpr(UNBOUNDED)
     DQ_BY_CONSUMER_WIDE_GL = gl.constexpr(DQ_BY_CONSUMER_WIDE)
     # A barrier of the partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7.
     _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
-    def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring, kv_bar, ready,
-                      empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr):
-        """One warp: K and V of the program's key tile once, then Q_i and dO_i of each query tile
-        into ring slot ``t % STAGES`` once the consumers have freed it (the first pass over the
-        ring waits on phase 1 of fresh barriers, which counts as complete)."""
+    def _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n):
+        """K and V of the program's key tile, once, by TMA (``kv_bar`` says they have landed)."""
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, h, start_n, 0], kv_bar, k4)
         tma.async_copy_global_to_shared(v_desc, [b, h, start_n, 0], kv_bar, v4)
-        for t in range(0, n_tiles):
-            slot = t % STAGES
-            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = (first + t) * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], bar, q_ring.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], bar, do_ring.index(slot))
-            if STATS_ASYNC:  # lse and Δ of the tile by cp.async; each thread arrives once its copies land
-                stat_l: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-                offs = row + gl.arange(0, BLOCK_M, layout=stat_l)
-                inside = offs < n_q  # rows past N read as 0: harmless, their Q and dO rows are zeros
-                async_copy.async_copy_global_to_shared(lse_ring.index(slot), LSE + pid_bh * n_q + offs, mask=inside)
-                async_copy.async_copy_global_to_shared(delta_ring.index(slot), DELTA + pid_bh * n_q + offs,
-                                                       mask=inside)
-                async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
-    def _bwd_tile(t, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE,
-                  DELTA, dq_base, stats, keys, st_zero, dq_zero, first, n_q, n_k, scale, qk_scale_log2,
+    def _bwd_load(t, row0, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA,
+                  b, h, stats, n_q, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr):
+        """Step ``t``'s copies: Q and dO rows ``row0 ...`` of head ``h`` by TMA into ring slot
+        ``t % STAGES`` once the consumers have freed it (the first pass over the ring waits on phase
+        1 of fresh barriers, which counts as complete), and (STATS_ASYNC) their lse and Δ (at
+        ``stats + row``) by ``cp.async``, each producer thread arriving once its copies land."""
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, h, row0, 0], bar, do_ring.index(slot))
+        if STATS_ASYNC:
+            stat_l: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+            offs = row0 + gl.arange(0, BLOCK_M, layout=stat_l)
+            inside = offs < n_q  # rows past N read as 0: harmless, their Q and dO rows are zeros
+            async_copy.async_copy_global_to_shared(lse_ring.index(slot), LSE + stats + offs, mask=inside)
+            async_copy.async_copy_global_to_shared(delta_ring.index(slot), DELTA + stats + offs, mask=inside)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
+    def _list_row(IDX, lrow, list_len, s, SPARSE_M: gl.constexpr, BLOCK_M: gl.constexpr):
+        """First query row of step ``s`` of a walk over the Q tiles listed in row ``lrow`` of a
+        transposed block-mask list (``SPARSE_M`` rows each), ``BLOCK_M`` rows a step."""
+        per_tile: gl.constexpr = SPARSE_M // BLOCK_M
+        return gl.load(IDX + lrow * list_len + s // per_tile) * SPARSE_M + (s % per_tile) * BLOCK_M
+
+    @gluon.jit
+    def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring, kv_bar, ready,
+                      empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q,
+                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr,
+                      LISTS: gl.constexpr, SPARSE_M: gl.constexpr):
+        """One warp: K and V of the program's key tile once, then the copies of each step, in the
+        consumers' order: dense, query tiles ``first ...``; LISTS (the masked backward), for each
+        query head of the K/V head's group, the Q tiles of its FULL list, then of its PARTIAL one."""
+        _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n)
+        if LISTS:
+            it = 0
+            for g in range(0, group):
+                hq = h * group + g
+                lrow = lrow0 + hq * list_sh
+                stats = (b * n_heads + hq) * n_q
+                for s in range(0, gl.load(FULL_NUM + lrow) * (SPARSE_M // BLOCK_M)):
+                    _bwd_load(it, _list_row(FULL_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), q_desc, do_desc, q_ring,
+                              do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
+                              STAGES, STATS_ASYNC)
+                    it += 1
+                for s in range(0, gl.load(PART_NUM + lrow) * (SPARSE_M // BLOCK_M)):
+                    _bwd_load(it, _list_row(PART_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), q_desc, do_desc, q_ring,
+                              do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
+                              STAGES, STATS_ASYNC)
+                    it += 1
+        else:
+            for t in range(0, n_tiles):
+                _bwd_load(t, (first + t) * BLOCK_M, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready,
+                          empty, LSE, DELTA, b, h, pid_bh * n_q, n_q, BLOCK_M, STAGES, STATS_ASYNC)
+
+    @gluon.jit
+    def _bwd_tile(t, row0, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty,
+                  LSE, DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2,
+                  lo, hi, doc_k, DOC_Q, MASK, stride_mn, stride_mk,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
-                  a_layout: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr):
-        """One query tile (the t-th of the program): every product, dK and dV updated and returned,
-        dQ_i added into the buffer. ``MASKED``: apply the element mask (causal, ragged keys)."""
+                  MASKED: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr, DENSE_MASK: gl.constexpr,
+                  EMPTY_ROWS: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
+                  a_layout: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr, num_warps: gl.constexpr):
+        """Step ``t`` of the program (its ring slot and phase): query rows ``row0 ...``, every
+        product, dK and dV updated and returned, dQ_i added into the buffer. ``MASKED``: apply the
+        element mask (keys and queries in range; BAND: ``row + lo <= key <= row + hi``, causal and
+        sliding windows, ``BAND`` 2, or the upper bound only, 1; DOCS: equal document ids; DENSE_MASK: the boolean mask).
+        ``EMPTY_ROWS``: a saved ``lse = -inf`` (a row that saw no key) is read as ``+inf``, so that
+        its P is 0 (the masked forward leaves such rows; the dense one cannot)."""
         dtype: gl.constexpr = k_smem.dtype
-        cols_l: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
+        st_layout: gl.constexpr = st_zero.type.layout
+        cols_l: gl.constexpr = gl.SliceLayout(0, st_layout)
         dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
         dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
         slot = t % STAGES
-        row0 = (first + t) * BLOCK_M
         # lse and Δ of the tile's queries: read here while the copies land (rows past N get
         # lse = +inf, so P = 0 there), or (STATS_ASYNC, the library's) copied by the producer with
         # the tile (rows past N read as 0: their Q and dO rows are zeros, so they add nothing).
         cols = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
         if not STATS_ASYNC:
-            lse_log2 = gl.load(LSE + stats + cols, mask=cols < n_q, other=float("inf")) * LOG2_E_GL
+            lse = gl.load(LSE + stats + cols, mask=cols < n_q, other=float("inf"))
             delta = gl.load(DELTA + stats + cols, mask=cols < n_q, other=0.0)
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)  # Q_i and dO_i have landed
         if STATS_ASYNC:
-            lse_log2 = lse_ring.index(slot).load(cols_l) * LOG2_E_GL
+            lse = lse_ring.index(slot).load(cols_l)
             delta = delta_ring.index(slot).load(cols_l)
+        if EMPTY_ROWS:
+            lse = gl.where(lse == float("-inf"), float("inf"), lse)
+        lse_log2 = lse * LOG2_E_GL
         q = gluon_hopper._tile2d(q_ring, slot)  # (BLOCK_M, HEAD_DIM)
         do = gluon_hopper._tile2d(do_ring, slot)
 
@@ -140,10 +205,19 @@ if gluon_hopper.available():
         dpt_tok = warpgroup_mma(v_smem, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok,))
         st = st * qk_scale_log2 - lse_log2[None, :]
-        if MASKED:  # the diagonal band (causal), the ragged end of the keys
-            visible = keys[:, None] < n_k
-            if CAUSAL:
-                visible = visible & (keys[:, None] <= cols[None, :])
+        if MASKED:  # keys-along-rows tiles: the element mask of gluon_masked's forward, transposed
+            visible = keys[:, None] < n_k  # (queries past N have zero Q and dO rows: they add nothing)
+            if BAND:  # 1: key <= row + hi (the dense causal kernel); 2: also key >= row + lo
+                visible = visible & (keys[:, None] <= cols[None, :] + hi)
+                if BAND == 2:
+                    visible = visible & (keys[:, None] >= cols[None, :] + lo)
+            if DOCS:
+                doc_q = gl.load(DOC_Q + cols, mask=cols < n_q, other=-1)
+                visible = visible & (doc_k[:, None] == doc_q[None, :])
+            if DENSE_MASK:
+                visible = visible & gluon_masked._dense_mask_tile(
+                    MASK, stride_mn, stride_mk, row0, start_n, n_q, n_k, BLOCK_M,
+                    keys.type.shape[0], st_layout, num_warps, True)
             st = gl.where(visible, st, float("-inf"))
         pt = gl.exp2(st)  # Pᵀ (BLOCK_N, BLOCK_M), fp32
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -177,10 +251,15 @@ if gluon_hopper.available():
     @gluon.jit
     def _bwd_consumer(k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
                       dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_q, n_k, scale,
-                      qk_scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      qk_scale_log2, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
+                      lo, hi, DOC_Q, DOC_K, MASK, stride_mh, stride_mn, stride_mk,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
-                      num_warps: gl.constexpr):
-        """The two consumer warpgroups: every product of the loop, then dK and dV out by TMA."""
+                      LISTS: gl.constexpr, SPARSE_M: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr,
+                      DENSE_MASK: gl.constexpr, num_warps: gl.constexpr):
+        """The two consumer warpgroups: every product of every step, then dK and dV out by TMA.
+        Dense: the query tiles ``first ...``; LISTS: the steps of :func:`_bwd_producer`, FULL ones
+        without the element mask, PARTIAL ones with it, summing dK and dV over the group's heads."""
         dtype: gl.constexpr = k4.dtype
         k_smem = k4.reshape([BLOCK_N, HEAD_DIM])  # the 2-D views the products read
         v_smem = v4.reshape([BLOCK_N, HEAD_DIM])
@@ -199,9 +278,9 @@ if gluon_hopper.available():
         add_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                                     warps_per_cta=[num_warps, 1], order=[1, 0])
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # one per row of Sᵀ
-        dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
-        stats = pid_bh * n_q
-        ragged_keys = start_n + BLOCK_N > n_k  # this program holds the last, partial key tile
+        doc_k = keys  # placeholder without documents
+        if DOCS:
+            doc_k = gl.load(DOC_K + keys, mask=keys < n_k, other=-2)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
@@ -209,20 +288,50 @@ if gluon_hopper.available():
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
 
         mbarrier.wait(kv_bar, 0)  # K and V have landed
-        # The tiles that need the element mask first (a causal program's first BLOCK_N // BLOCK_M
-        # query tiles hold the diagonal; every tile of the program with the ragged keys), then the
-        # rest without it: two loops, so that the unmasked one carries no mask code at all.
-        n_masked = n_tiles if ragged_keys else (gl.minimum(BLOCK_N // BLOCK_M, n_tiles) if CAUSAL else 0)
-        for t in range(0, n_masked):
-            dk, dv = _bwd_tile(t, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem,
-                               ready, empty, LSE, DELTA, dq_base, stats, keys, st_zero, dq_zero,
-                               first, n_q, n_k, scale, qk_scale_log2, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, True,
-                               DQ_MODE, STATS_ASYNC, a_layout, dq_layout, add_layout)
-        for t in range(n_masked, n_tiles):
-            dk, dv = _bwd_tile(t, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem,
-                               ready, empty, LSE, DELTA, dq_base, stats, keys, st_zero, dq_zero,
-                               first, n_q, n_k, scale, qk_scale_log2, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, False,
-                               DQ_MODE, STATS_ASYNC, a_layout, dq_layout, add_layout)
+        if LISTS:
+            it = 0
+            for g in range(0, group):
+                hq = h * group + g
+                lrow = lrow0 + hq * list_sh
+                stats = (b * n_heads + hq) * n_q
+                dq_base = DQ + stats.to(gl.int64) * HEAD_DIM
+                mask_h = MASK + hq * stride_mh
+                for s in range(0, gl.load(FULL_NUM + lrow) * (SPARSE_M // BLOCK_M)):
+                    dk, dv = _bwd_tile(it, _list_row(FULL_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
+                                       v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE, DELTA,
+                                       dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi,
+                                       doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM, BLOCK_M, STAGES, False,
+                                       BAND, DOCS, DENSE_MASK, True, DQ_MODE, STATS_ASYNC, a_layout, dq_layout,
+                                       add_layout, num_warps)
+                    it += 1
+                for s in range(0, gl.load(PART_NUM + lrow) * (SPARSE_M // BLOCK_M)):
+                    dk, dv = _bwd_tile(it, _list_row(PART_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
+                                       v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE, DELTA,
+                                       dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi,
+                                       doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM, BLOCK_M, STAGES, True,
+                                       BAND, DOCS, DENSE_MASK, True, DQ_MODE, STATS_ASYNC, a_layout, dq_layout,
+                                       add_layout, num_warps)
+                    it += 1
+        else:
+            dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
+            stats = pid_bh * n_q
+            ragged_keys = start_n + BLOCK_N > n_k  # this program holds the last, partial key tile
+            # The tiles that need the element mask first (a causal program's first BLOCK_N // BLOCK_M
+            # query tiles hold the diagonal; every tile of the program with the ragged keys), then the
+            # rest without it: two loops, so that the unmasked one carries no mask code at all.
+            n_masked = n_tiles if ragged_keys else (gl.minimum(BLOCK_N // BLOCK_M, n_tiles) if CAUSAL else 0)
+            for t in range(0, n_masked):
+                dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                                   delta_ring, ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero,
+                                   dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi, doc_k, DOC_Q, MASK, stride_mn,
+                                   stride_mk, HEAD_DIM, BLOCK_M, STAGES, True, CAUSAL, False, False, False, DQ_MODE,
+                                   STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
+            for t in range(n_masked, n_tiles):
+                dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                                   delta_ring, ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero,
+                                   dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi, doc_k, DOC_Q, MASK, stride_mn,
+                                   stride_mk, HEAD_DIM, BLOCK_M, STAGES, False, CAUSAL, False, False, False, DQ_MODE,
+                                   STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
 
         # dK and dV out through the K and V buffers (no product reads them any more); TMA clips
         # the rows past N.
@@ -236,25 +345,11 @@ if gluon_hopper.available():
         tma.store_wait(0)
 
     @gluon.jit
-    def attention_backward_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
-                                        n_heads, n_q, n_k, scale, qk_scale_log2,
-                                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                                        STATS_ASYNC: gl.constexpr,
-                                        LOADER_REGS: gl.constexpr,
-                                        num_warps: gl.constexpr):
-        """One program: BLOCK_N keys of one (batch, head). Grid ``(cdiv(N, BLOCK_N), B·H)``; axis 0
-        from the first key tile, which (causal) sees the most query tiles, so the longest programs
-        start first."""
-        start_n = gl.program_id(0) * BLOCK_N
-        pid_bh = gl.program_id(1)
-        b = pid_bh // n_heads
-        h = pid_bh % n_heads
+    def _bwd_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr):
+        """Shared memory and barriers: K and V (2-D views of one TMA block each), the Q and dO
+        rings, dSᵀ twice, the lse and Δ rings; ``kv_bar`` and each slot's ready and empty barriers."""
         dtype: gl.constexpr = q_desc.dtype
-        first = start_n // BLOCK_M if CAUSAL else 0  # causal: queries before the tile see none of its keys
-        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M - first
-
-        # Shared memory: K and V (2-D views of one TMA block each), the Q and dO rings, dSᵀ twice.
         k4 = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v4 = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -273,21 +368,88 @@ if gluon_hopper.available():
             mbarrier.init(ready.index(i), count=1 + 32 * STATS_ASYNC)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
+        return k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty
 
-        gl.warp_specialize(
-            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
-                              dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_q, n_k,
-                              scale, qk_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_MODE,
-                              STATS_ASYNC, num_warps)),
-             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring,
-                              kv_bar, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q,
-                              BLOCK_M, STAGES, STATS_ASYNC))],
-            [1], [LOADER_REGS])
-
+    @gluon.jit
+    def _bwd_invalidate(kv_bar, ready, empty, STAGES: gl.constexpr):
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
+
+    @gluon.jit
+    def attention_backward_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
+                                        n_heads, n_q, n_k, scale, qk_scale_log2,
+                                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                                        STATS_ASYNC: gl.constexpr,
+                                        LOADER_REGS: gl.constexpr,
+                                        num_warps: gl.constexpr):
+        """One program: BLOCK_N keys of one (batch, head). Grid ``(cdiv(N, BLOCK_N), B·H)``; axis 0
+        from the first key tile, which (causal) sees the most query tiles, so the longest programs
+        start first."""
+        start_n = gl.program_id(0) * BLOCK_N
+        pid_bh = gl.program_id(1)
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        first = start_n // BLOCK_M if CAUSAL else 0  # causal: queries before the tile see none of its keys
+        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M - first
+        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty = _bwd_buffers(
+            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC)
+        lo = -UNBOUNDED_GL  # the causal band: key <= query (hi = 0), no lower bound
+        gl.warp_specialize(
+            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
+                              dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_q, n_k,
+                              scale, qk_scale_log2, LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
+                              lo, 0, LSE, LSE, LSE, 0, 0, 0,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_MODE,
+                              STATS_ASYNC, False, BLOCK_N, CAUSAL, False, False, num_warps)),
+             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring,
+                              kv_bar, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q,
+                              LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
+                              BLOCK_M, STAGES, STATS_ASYNC, False, BLOCK_N))],
+            [1], [LOADER_REGS])
+        _bwd_invalidate(kv_bar, ready, empty, STAGES)
+
+
+    @gluon.jit
+    def masked_backward_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
+                                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, list_sb, list_sh, list_len, ORDER,
+                                     DOC_Q, DOC_K, stride_docq, stride_dock, MASK, stride_mb, stride_mh, stride_mn,
+                                     stride_mk, n_heads, n_kv_heads, group, n_q, n_k, lo, hi, scale, qk_scale_log2,
+                                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                     STAGES: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
+                                     SPARSE_M: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr,
+                                     DENSE_MASK: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """The masked backward (chapter 10): one program per K/V tile (``BLOCK_N`` = the block
+        mask's column width) of one (batch, K/V head), walking the *transposed* lists (the Q tiles
+        that visit this K/V tile) of every query head of its GQA group. Grid ``(T_k, B·H_kv)``;
+        ``ORDER`` (laid out as the lists' counts) says which K/V tile each program takes, the
+        busiest first."""
+        pid_bh = gl.program_id(1)
+        b = pid_bh // n_kv_heads
+        h = pid_bh % n_kv_heads
+        tile = gl.load(ORDER + b * list_sb + h * group * list_sh + gl.program_id(0))
+        start_n = tile * BLOCK_N
+        lrow0 = b * list_sb + tile  # this K/V tile's row of the transposed lists, head 0
+        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty = _bwd_buffers(
+            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC)
+        doc_q = DOC_Q + b * stride_docq
+        doc_k = DOC_K + b * stride_dock
+        mask = MASK + b * stride_mb
+        gl.warp_specialize(
+            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
+                              dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, 0, 0, n_q, n_k,
+                              scale, qk_scale_log2, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len,
+                              n_heads, group, lo, hi, doc_q, doc_k, mask, stride_mh, stride_mn, stride_mk,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False, DQ_MODE, STATS_ASYNC, True, SPARSE_M,
+                              BAND, DOCS, DENSE_MASK, num_warps)),
+             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring,
+                              kv_bar, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, 0, 0, n_q,
+                              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
+                              BLOCK_M, STAGES, STATS_ASYNC, True, SPARSE_M))],
+            [1], [LOADER_REGS])
+        _bwd_invalidate(kv_bar, ready, empty, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,6 +482,21 @@ def library_uses_gluon_backward(q, k, v, o, do) -> bool:
     return gluon_backward_unsupported_reason(q, k, v, o, do) is None
 
 
+def _delta(o, do, lse):
+    """Δ = rowsum(dO ∘ O), ``(B, H, N)`` float32, by chapter 07's preprocess kernel (zeros while
+    cross-compiling: no kernel but the backward's may touch the stand-in driver)."""
+    from course_lib.kernels.backward import PREPROCESS_BLOCK_M, preprocess_kernel
+
+    if gluon_hopper._compiling_only():
+        return torch.zeros_like(lse)
+    batch, heads, n, d = o.shape
+    delta = torch.empty_like(lse)
+    preprocess_kernel[(triton.cdiv(n, PREPROCESS_BLOCK_M) * batch * heads,)](
+        o, do, delta, *o.stride(), *do.stride(), heads, n, HEAD_DIM_REAL=d, HEAD_DIM=d,
+        ACC_DTYPE=triton.language.float32, BLOCK_M=PREPROCESS_BLOCK_M)
+    return delta
+
+
 def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, config: dict | None = None):
     """``(dq, dk, dv)`` of attention with the Gluon one-pass kernel, in q's dtype, contiguous.
 
@@ -332,8 +509,6 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
     Raises:
         ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
     """
-    from course_lib.kernels.backward import PREPROCESS_BLOCK_M, preprocess_kernel
-
     why = gluon_backward_unsupported_reason(q, k, v, o, do)
     if why:
         raise ValueError(f"attention_backward_gluon: q, k, v, o, do: {why}")
@@ -342,13 +517,7 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
                          f"got {lse.dtype} {tuple(lse.shape)}")
     batch, heads, n, d = q.shape
     cfg = {**CONFIG, **(config or {})}
-    if gluon_hopper._compiling_only():  # cross_compile: no kernel but this one may touch the stand-in
-        delta = torch.zeros_like(lse)
-    else:  # Δ = rowsum(dO ∘ O), chapter 07's preprocess kernel
-        delta = torch.empty_like(lse)
-        preprocess_kernel[(triton.cdiv(n, PREPROCESS_BLOCK_M) * batch * heads,)](
-            o, do, delta, *o.stride(), *do.stride(), heads, n, HEAD_DIM_REAL=d, HEAD_DIM=d,
-            ACC_DTYPE=triton.language.float32, BLOCK_M=PREPROCESS_BLOCK_M)
+    delta = _delta(o, do, lse)
     dq_acc = torch.zeros((batch, heads, n, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((batch, heads, n, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
@@ -375,3 +544,107 @@ def cross_compile(causal: bool = True, dtype=torch.float16, n: int = 1000, head_
         lse = torch.zeros(1, 1, n, dtype=torch.float32)
         attention_backward_gluon(x, x, x, x, x, lse, causal, head_dim ** -0.5, config=config)
         return gluon_hopper.kernel_facts(attention_backward_gluon.last_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# The masked backward (chapter 10's block masks on this kernel)
+
+
+def masked_backward_unsupported_reason(q, k, v, o, do, plan) -> str | None:
+    """Why :func:`masked_backward_gluon` cannot take these inputs, or None if it can: what the
+    masked Gluon forward does not cover (:func:`~course_lib.kernels.gluon_masked.masked_gluon_unsupported_reason`),
+    and o, do as q."""
+    why = gluon_masked.masked_gluon_unsupported_reason(q, k, v, plan)
+    if why:
+        return why
+    for name, x in (("o", o), ("do", do)):
+        if x.shape != q.shape:
+            return f"{name} must be shaped like q {tuple(q.shape)}, got {tuple(x.shape)}"
+        why = gluon_hopper.gluon_unsupported_reason(x, x, x)
+        if why:
+            return f"{name}: {why}"
+    return None
+
+
+def library_uses_gluon_masked_backward(q, k, v, o, do, plan) -> bool:
+    """Whether :func:`course_lib.kernels.masked.masked_backward` (non-deterministic) takes
+    :func:`masked_backward_gluon`: where the dense backward takes this file's kernel
+    (:func:`library_uses_gluon_backward`'s switches and head dims) and the masked Gluon forward
+    covers the mask."""
+    from course_lib import runtime
+    from course_lib.kernels import tuning
+
+    if runtime.current().interpreted or q.device.type != "cuda" or not gluon_hopper.available():
+        return False
+    if (not tuning.gluon_backward_enabled() or tuning.autotune_enabled()
+            or q.shape[-1] not in tuning.GLUON_BACKWARD_HEAD_DIMS):
+        return False
+    return masked_backward_unsupported_reason(q, k, v, o, do, plan) is None
+
+
+def masked_backward_gluon(do, q, k, v, o, lse, scale: float, plan, config: dict | None = None):
+    """``(dq, dk, dv)`` of :func:`course_lib.kernels.masked.masked_forward` with the one-pass Gluon
+    kernel: dq shaped like q, dk and dv like k and v (summed over each GQA group), in q's dtype.
+
+    Args:
+        do, q, o: ``(B, H, N_q, d)``; k, v: ``(B, H_kv, N_k, d)``: fp16/bf16 CUDA tensors (or CPU
+            ones under a stand-in driver that only compiles), d in {64, 128}, TMA-readable strides.
+        lse: ``(B, H, N_q)`` float32 contiguous, the masked forward's (``-inf`` for rows that saw
+            no key: their gradients are 0).
+        scale: as in the forward. plan: the forward's :class:`~course_lib.kernels.masked.MaskPlan`
+            (no per-sample lengths; 128x128 block-mask tiles).
+
+    Raises:
+        ValueError naming what is not covered (:func:`masked_backward_unsupported_reason`).
+    """
+    from course_lib.kernels import masked
+
+    why = masked_backward_unsupported_reason(q, k, v, o, do, plan)
+    if why:
+        raise ValueError(f"masked_backward_gluon: q, k, v, o, do, plan: {why}")
+    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"masked_backward_gluon: lse must be float32 contiguous {tuple(q.shape[:-1])}, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    batch, heads, n_q, d = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    cfg = {**CONFIG, **(config or {})}
+    bmask = plan.block_mask
+    delta = _delta(o, do, lse)
+    dq_acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float32, device=q.device)
+    dk = torch.empty((batch, n_kv_heads, n_k, d), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # the Triton kernels' arguments from FULL_NUM on (masked._rule_args): the transposed lists and
+    # their strides (7), the ragged batch's (4, unused here), the document ids' (4), the dense mask's (5)
+    rule_args, rule_meta = masked._rule_args(plan, dummy, forward_lists=False)
+    lists, docs, mask = rule_args[:7], rule_args[11:15], list(rule_args[15:20])
+    if bmask.mask is not None:
+        mask[0] = mask[0].view(torch.uint8)  # the same bytes, loaded as integers
+    lo, hi = gluon_masked._window_band(plan, n_q, n_k)
+    desc = gluon_hopper._descriptor
+    grid = (bmask.shape[-1], batch * n_kv_heads)
+    kernel = masked_backward_gluon_kernel[grid](
+        desc(q, cfg["BLOCK_M"]), desc(k, cfg["BLOCK_N"]), desc(v, cfg["BLOCK_N"]), desc(do, cfg["BLOCK_M"]),
+        desc(dk, cfg["BLOCK_N"]), desc(dv, cfg["BLOCK_N"]), lse, delta, dq_acc,
+        *lists, gluon_masked.tile_order(bmask, transposed=True), *docs, *mask,
+        heads, n_kv_heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale, scale * LOG2_E,
+        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bmask.block_n, STAGES=cfg["STAGES"], DQ_MODE=cfg["DQ_MODE"],
+        STATS_ASYNC=cfg["STATS_ASYNC"], SPARSE_M=bmask.block_m, BAND=2 if rule_meta["BAND"] else 0,
+        DOCS=rule_meta["DOCS"], DENSE_MASK=rule_meta["DENSE_MASK"], LOADER_REGS=cfg["LOADER_REGS"],
+        num_warps=cfg["num_warps"])
+    masked_backward_gluon.last_kernel = kernel
+    return dq_acc.to(q.dtype), dk, dv
+
+
+masked_backward_gluon.last_kernel = None
+
+
+def cross_compile_masked(q_shape=(1, 2, 1000, 128), kv_heads: int = 1, dtype=torch.float16, *, causal: bool = True,
+                         window=None, documents: int = 0, dense_mask: bool = False, config: dict | None = None) -> dict:
+    """Compile the masked backward for sm_90 without a GPU on a mask built as
+    :func:`course_lib.kernels.gluon_masked.cross_compile` builds it; :func:`gluon_hopper.kernel_facts`."""
+    with gluon_hopper.stand_in_sm90():
+        q, k, plan = gluon_masked._cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mask)
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32)
+        masked_backward_gluon(q, q, k, k, q, lse, q.shape[-1] ** -0.5, plan, config=config)
+        return gluon_hopper.kernel_facts(masked_backward_gluon.last_kernel)

@@ -83,19 +83,22 @@ if gh.available():
             kv_prev = kv
 
     @gluon.jit
-    def _dense_mask_tile(MASK, stride_mn, stride_mk, ROWS: gl.constexpr, row0, kv, n_q, n_k, s_layout: gl.constexpr,
-                         BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-        """The dense boolean mask's entries of rows ``row0...`` and K/V tile ``kv``, as a boolean
-        tile in the scores' layout. Loaded in a layout of its own, 16 consecutive bytes per thread
-        (in the scores' layout each thread holds pairs of columns: a load per pair, and a 64-bit
-        address per entry, more registers than a consumer has), then moved into the scores' layout
-        through shared memory."""
+    def _dense_mask_tile(MASK, stride_mn, stride_mk, q0, k0, n_q, n_k, Q_ROWS: gl.constexpr, K_COLS: gl.constexpr,
+                         layout: gl.constexpr, num_warps: gl.constexpr, TRANSPOSED: gl.constexpr):
+        """The dense boolean mask's entries of queries ``q0 ... q0 + Q_ROWS`` and keys ``k0 ... k0 +
+        K_COLS`` as a boolean tile in ``layout``: ``(Q_ROWS, K_COLS)``, or (TRANSPOSED, the backward's
+        keys-along-rows tiles) ``(K_COLS, Q_ROWS)``. Loaded in a layout of its own, 16 consecutive
+        bytes per thread (in the scores' layout each thread holds pairs of columns: a load per
+        pair, and a 64-bit address per entry, more registers than a consumer has), then moved into
+        ``layout`` through shared memory."""
         m_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, m_layout))
-        cols = kv * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, m_layout))
+        rows = q0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, m_layout))
+        cols = k0 + gl.arange(0, K_COLS, layout=gl.SliceLayout(0, m_layout))
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         entries = gl.load(MASK + rows[:, None] * stride_mn + cols[None, :] * stride_mk, mask=inside, other=0)
-        return gl.convert_layout(entries, s_layout) != 0
+        if TRANSPOSED:
+            entries = gl.permute(entries, (1, 0))
+        return gl.convert_layout(entries, layout) != 0
 
     @gluon.jit
     def _masked_step(s, m_i, l_i, t, n_full, part_row, row0, rows, doc_q, n_q, n_k, lo, hi, DOC_K, MASK, stride_mn,
@@ -117,8 +120,8 @@ if gh.available():
                 doc_k = gl.load(DOC_K + cols, mask=cols < n_k, other=-2)
                 seen = seen & (doc_q[:, None] == doc_k[None, :])
             if DENSE_MASK:
-                seen = seen & _dense_mask_tile(MASK, stride_mn, stride_mk, rows.type.shape[0], row0, kv, n_q, n_k,
-                                               s_layout, BLOCK_N, num_warps)
+                seen = seen & _dense_mask_tile(MASK, stride_mn, stride_mk, row0, kv * BLOCK_N, n_q, n_k,
+                                               rows.type.shape[0], BLOCK_N, s_layout, num_warps, False)
             s = gl.where(seen, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.reduce(s, 1, gh._max_combine))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -303,20 +306,25 @@ def _window_band(plan, n_q: int, n_k: int) -> tuple[int, int]:
     return lo, hi
 
 
-def tile_order(bmask, heaviest_first: bool = True) -> torch.Tensor:
-    """The order in which the programs take the Q tiles of each block-mask row: by decreasing
-    number of K/V tiles visited (under a causal mask: the last tiles first), or
-    (``heaviest_first=False``) simply from the last tile to the first. int32, shaped like the
-    lists' counts; computed once per block mask (kept in it, as the API keeps its device copies)."""
+def tile_order(bmask, heaviest_first: bool = True, transposed: bool = False) -> torch.Tensor:
+    """The order in which the programs take the Q tiles of each block-mask row (``transposed``:
+    the K/V tiles of each column, for the backward): by decreasing number of tiles visited (under a
+    causal mask: the last Q tiles first, the first K/V tiles first), or (``heaviest_first=False``)
+    simply from the last tile to the first. int32, shaped like the lists' counts; computed once per
+    block mask (kept in it, as the API keeps its device copies)."""
     orders = bmask.__dict__.setdefault("_gluon_tile_order", {})
-    if heaviest_first not in orders:
-        counts = bmask.full_kv_num_blocks + bmask.kv_num_blocks
+    key = (heaviest_first, transposed)
+    if key not in orders:
+        if transposed:
+            counts = bmask.full_q_num_blocks + bmask.q_num_blocks
+        else:
+            counts = bmask.full_kv_num_blocks + bmask.kv_num_blocks
         if heaviest_first:
             order = torch.argsort(counts, dim=-1, descending=True, stable=True)
         else:
             order = torch.arange(counts.shape[-1] - 1, -1, -1, device=counts.device).expand(counts.shape)
-        orders[heaviest_first] = order.to(torch.int32).contiguous()
-    return orders[heaviest_first]
+        orders[key] = order.to(torch.int32).contiguous()
+    return orders[key]
 
 
 def masked_forward_gluon(q, k, v, scale: float, plan, heaviest_first: bool = True):
@@ -362,29 +370,36 @@ def masked_forward_gluon(q, k, v, scale: float, plan, heaviest_first: bool = Tru
 masked_forward_gluon.last_kernel = None
 
 
-def cross_compile(q_shape=(1, 2, 1000, 128), kv_heads: int = 1, dtype=torch.float16, *, causal: bool = True,
-                  window=None, documents: int = 0, dense_mask: bool = False) -> dict:
-    """Compile the kernel for sm_90 without a GPU (:func:`gluon_hopper.stand_in_sm90`) on a mask
-    built by the library's own API, and return :func:`gluon_hopper.kernel_facts`."""
+def _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mask):
+    """Zero q and k (CPU) and the :class:`~course_lib.kernels.masked.MaskPlan` the library's API
+    builds for one of the masks :func:`cross_compile` names (under a stand-in driver)."""
     from course_lib import blockmask as bm
     from course_lib.kernels import api
 
     batch, heads, n, d = q_shape
+    q = torch.zeros(q_shape, dtype=dtype)
+    k = torch.zeros(batch, kv_heads, n, d, dtype=dtype)
+    if documents:
+        ids = torch.arange(n) * documents // n
+        block_mask = bm.document_block_mask(ids, TILE, TILE, causal=causal)
+    elif dense_mask:
+        keep = torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(0)) < 0.5
+        block_mask = bm.BlockMask.from_mask_mod(lambda b, h, i, j: keep[0, 0, i, j], 1, 1, n, n, TILE, TILE)
+    elif window is not None:
+        block_mask = bm.sliding_window_block_mask(n, n, window, TILE, TILE, causal=causal)
+    else:
+        block_mask = bm.causal_block_mask(n, n, TILE, TILE)
+    _, _, _, _, plan = api._masked_call(q, k, k, False, None, None, None, block_mask)
+    return q, k, plan
+
+
+def cross_compile(q_shape=(1, 2, 1000, 128), kv_heads: int = 1, dtype=torch.float16, *, causal: bool = True,
+                  window=None, documents: int = 0, dense_mask: bool = False) -> dict:
+    """Compile the kernel for sm_90 without a GPU (:func:`gluon_hopper.stand_in_sm90`) on a mask
+    built by the library's own API, and return :func:`gluon_hopper.kernel_facts`."""
     with gh.stand_in_sm90():
-        q = torch.zeros(q_shape, dtype=dtype)
-        k = torch.zeros(batch, kv_heads, n, d, dtype=dtype)
-        if documents:
-            ids = torch.arange(n) * documents // n
-            block_mask = bm.document_block_mask(ids, TILE, TILE, causal=causal)
-        elif dense_mask:
-            keep = torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(0)) < 0.5
-            block_mask = bm.BlockMask.from_mask_mod(lambda b, h, i, j: keep[0, 0, i, j], 1, 1, n, n, TILE, TILE)
-        elif window is not None:
-            block_mask = bm.sliding_window_block_mask(n, n, window, TILE, TILE, causal=causal)
-        else:
-            block_mask = bm.causal_block_mask(n, n, TILE, TILE)
-        _, _, _, scale, plan = api._masked_call(q, k, k, False, None, None, None, block_mask)
-        masked_forward_gluon(q, k, k, scale, plan)
+        q, k, plan = _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mask)
+        masked_forward_gluon(q, k, k, q.shape[-1] ** -0.5, plan)
         return gh.kernel_facts(masked_forward_gluon.last_kernel)
 
 

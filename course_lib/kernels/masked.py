@@ -44,6 +44,12 @@ Backward, as chapter 07 (delta = rowsum(dO ∘ O) by chapter 07's preprocess ker
 
 In the backward the saved ``lse = -inf`` of an empty row is read as ``+inf``, so that
 ``P = exp2(S - lse)`` is 0 there without a mask.
+
+On Hopper, :func:`course_lib.flash_attention`'s default (``deterministic=False``) masked backward
+is the Gluon one-pass kernel of chapter 09 walking the transposed lists
+(:func:`course_lib.kernels.gluon_backward.masked_backward_gluon`): a program per (K/V tile, K/V
+head), dQ added with atomics. The two kernels above remain the deterministic backward, and the one
+for ragged and packed batches.
 """
 
 from __future__ import annotations
@@ -670,9 +676,18 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
 
 
 def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
-                    dq_blocks: tuning.Blocks | None = None, dkdv_blocks: tuning.Blocks | None = None):
+                    dq_blocks: tuning.Blocks | None = None, dkdv_blocks: tuning.Blocks | None = None,
+                    deterministic: bool = True):
     """Gradients ``(dq, dk, dv)`` of :func:`masked_forward`, shaped like q, k, v (dk, dv summed over
-    each GQA group)."""
+    each GQA group): this file's two kernels, bit-for-bit reproducible. ``deterministic=False`` (no
+    blocks given) lets a Hopper GPU take the Gluon one-pass backward
+    (:func:`course_lib.kernels.gluon_backward.masked_backward_gluon`, dQ by atomic adds) where it
+    covers the mask."""
+    if not deterministic and dq_blocks is None and dkdv_blocks is None and q.is_cuda:
+        from course_lib.kernels import gluon_backward  # Gluon is experimental: imported on a GPU only
+
+        if gluon_backward.library_uses_gluon_masked_backward(q, k, v, o, do, plan):
+            return gluon_backward.masked_backward_gluon(do, q, k, v, o, lse, scale, plan)
     work = compute_dtype(q.dtype, _rt.interpreted)
     dow, qw, kw, vw, ow = (x.to(work) for x in (do, q, k, v, o))
     batch, heads, n_q, d = q.shape
