@@ -93,7 +93,12 @@ def test_dense_mask_costs_at_most_its_layout_change_in_shared_memory(facts):
 
 
 def _plan(q, k, **kwargs):
+    from course_lib import runtime
     from course_lib.kernels import api
+
+    if runtime.current().on_gpu:
+        pytest.skip("builds plans from CPU tensors through the API, which a GPU session refuses (CI runs it); "
+                    "the GPU tests below cover this machine")
 
     return api._masked_call(q, k, k, kwargs.get("causal", False), None, kwargs.get("window"),
                             kwargs.get("seq_lens"), kwargs.get("block_mask"))[-1]

@@ -389,7 +389,9 @@ def _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mas
         block_mask = bm.sliding_window_block_mask(n, n, window, TILE, TILE, causal=causal)
     else:
         block_mask = bm.causal_block_mask(n, n, TILE, TILE)
-    _, _, _, _, plan = api._masked_call(q, k, k, False, None, None, None, block_mask)
+    # the plan _masked_call would build, without its device check (a GPU session refuses CPU tensors)
+    plan = api._mask_plan(q, batch, heads, n, n, TILE, TILE, block_mask.causal, block_mask.window, None,
+                          block_mask)
     return q, k, plan
 
 
