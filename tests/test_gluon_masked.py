@@ -223,3 +223,53 @@ def test_gpu_matches_triton_and_float64(d, dtype, monkeypatch):
             assert err <= O_TOL[dtype] and err <= 2 * err_t + 1e-3, (name, n, err, err_t)
             lse_err = (lse.double() - lse_ref)[~empty].abs().max().item()
             assert lse_err < 1e-3, (name, n, lse_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_varlen_runs_as_documents_on_gluon(d, monkeypatch):
+    """On Hopper, flash_attention_varlen with shared offsets runs the Gluon kernels (forward and
+    backward) on a document mask over the packed tokens; its output and gradients match float64 as
+    closely as the Triton path's (deterministic=True backward; different offsets keep the ragged
+    Triton plan)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are Hopper-only (compute capability 9.x); this GPU is not")
+    from test_kernels_masked import reference, varlen_reference_mask
+
+    from course_lib import flash_attention_varlen
+    from course_lib.kernels import gluon_backward as gb
+
+    calls = []
+    real_f, real_b = gm.masked_forward_gluon, gb.masked_backward_gluon
+    monkeypatch.setattr(gm, "masked_forward_gluon", lambda *a, **kw: calls.append("f") or real_f(*a, **kw))
+    monkeypatch.setattr(gb, "masked_backward_gluon", lambda *a, **kw: calls.append("b") or real_b(*a, **kw))
+    lens = [300, 1000, 1, 0, 555]
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(sum(lens), 8, d, device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (torch.randn(sum(lens), 2, d, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", dtype=torch.float16, generator=gen)
+    for causal, window in ((True, None), (False, None), (True, (100, 0))):
+        mask, cq, ck = varlen_reference_mask(lens, lens, causal, window)
+        exact = [x.double().transpose(0, 1)[None].requires_grad_() for x in (q, k, v)]
+        o_ref, _ = reference(*exact, mask.cuda())
+        o_ref = o_ref[0].transpose(0, 1)
+        ref = torch.autograd.grad(o_ref, exact, do.double())
+        out = {}
+        for deterministic in (False, True):
+            calls.clear()
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            o = flash_attention_varlen(*leaves, cq.cuda(), ck.cuda(), max(lens), max(lens), causal=causal,
+                                       window=window, deterministic=deterministic)
+            grads = torch.autograd.grad(o, leaves, do)
+            assert calls == (["f"] if deterministic else ["f", "b"]), (causal, window, deterministic)
+            out[deterministic] = [o, *grads]
+        for i, name in enumerate(("o", "dq", "dk", "dv")):
+            want = o_ref if i == 0 else ref[i - 1][0].transpose(0, 1)
+            err = (out[False][i].double() - want).abs().max().item()
+            err_t = (out[True][i].double() - want).abs().max().item()
+            assert err <= 2 * err_t + 2e-3, (causal, window, name, err, err_t)
+    calls.clear()
+    cq_other = torch.tensor([0, 300, 1300, 1301, 1301, sum(lens)], device="cuda")
+    ck_other = torch.tensor([0, 301, 1300, 1301, 1301, sum(lens)], device="cuda")
+    flash_attention_varlen(q, k, v, cq_other, ck_other, 1000, 1000)
+    assert calls == []  # offsets that differ: the ragged Triton kernels

@@ -490,6 +490,27 @@ def test_gpu_masks_half_precision(dtype, d):
     assert rel_err(o, ref[0].transpose(0, 1)) < TOL[dtype]
 
 
+def test_varlen_plans_are_built_once_per_packing(monkeypatch):
+    """flash_attention_varlen keeps its plan per packing (the offsets' values): a repeated call builds
+    no tile lists, a new packing does."""
+    from course_lib import flash_attention_varlen
+    from course_lib.kernels import api
+
+    built = []
+    real = bm.band_tile_classes
+    monkeypatch.setattr(bm, "band_tile_classes", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    q, k, v = leaves([(30, 2, 16), (30, 1, 16), (30, 1, 16)], seed=14)
+    cu = torch.tensor([0, 12, 30])
+    first = flash_attention_varlen(q, k, v, cu, cu, 18, 18, causal=True)
+    assert torch.equal(flash_attention_varlen(q, k, v, cu, cu, 18, 18, causal=True), first)
+    assert len(built) == 1
+    flash_attention_varlen(q, k, v, torch.tensor([0, 13, 30]), cu, 18, 18, causal=True)
+    assert len(built) == 2
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        flash_attention_varlen(q, k, v, cu, cu, 18, 18, deterministic="yes")
+    api._VARLEN_CACHE.clear()
+
+
 def test_plans_are_built_once_per_shape(monkeypatch):
     """Repeated calls with the same shapes and arguments reuse their tile lists (no host work)."""
     from course_lib.kernels import api

@@ -19,7 +19,10 @@ Python launch overhead included, which at N = 4k is a fair part of a masked call
   (``window=``, ``block_mask=``): the masked kernels, visited tiles only;
 - ``course_dense``  the dense/causal kernels of chapters 06-09 (``full`` and ``causal`` only): the
   yardstick for "time proportional to the visited tiles";
-- ``course_varlen`` ``course_lib.flash_attention_varlen`` on the packed documents (``documents``);
+- ``course_varlen`` ``course_lib.flash_attention_varlen`` on the packed documents (``documents``),
+  its offsets on the CPU (the API takes them there: it checks them on the host, and with a plan
+  kept per packing a repeated call copies nothing, so it can be replayed in a CUDA graph;
+  offsets on the GPU cost a device-to-host copy per call);
 - ``flex``          ``torch.compile(flex_attention)`` with ``create_block_mask`` of the same mask as
   a ``mask_mod`` (the predicate of each pattern), 128x128 blocks; compiled with dynamic shapes,
   once per mask kind and dtype (``--flex-static`` compiles per N);
@@ -240,10 +243,11 @@ def _attention_fn(impl, pattern, flex_dynamic=True):
         if pattern.kind != "documents":
             raise RuntimeError("only for documents")
         cu, max_len = pattern.varlen
+        cu_host = cu.cpu()
 
         def run(q, k, v):
             pack = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (q, k, v)]
-            return flash_attention_varlen(*pack, cu, cu, max_len, max_len)
+            return flash_attention_varlen(*pack, cu_host, cu_host, max_len, max_len)
 
         return run
     if impl == "flex":
@@ -386,6 +390,8 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", nargs="+", choices=DTYPES)
     p.add_argument("--seq-len", nargs="+", type=int)
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--pattern", nargs="+", choices=sorted({kind for kind, _ in PATTERNS}),
+                   help="only these mask kinds (default: all)")
     p.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--budget-s", type=float, default=430.0,
                    help="stop starting new cells after this many seconds (default 430: the whole run stays "
@@ -408,6 +414,8 @@ def main(argv=None) -> dict:
     dtypes = args.dtype or (QUICK["dtypes"] if args.quick else DTYPES)
     seq_lens = args.seq_len or (QUICK["seq_lens"] if args.quick else SEQ_LENS)
     patterns = QUICK["patterns"] if args.quick else PATTERNS
+    if args.pattern:
+        patterns = [(kind, param) for kind, param in patterns if kind in args.pattern]
     warmup_ms, rep_ms = (10, 40) if args.quick else (15, 60)
     meta = machine_meta()
     meta.update(tool="tools/bench_masks.py", argv=" ".join(argv if argv is not None else sys.argv[1:]),

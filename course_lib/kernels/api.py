@@ -409,13 +409,14 @@ class MaskedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, device):
+def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen) -> list[int]:
+    """The offsets' values, checked on the host (one device-to-host copy when they live on a GPU)."""
     if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (B + 1,), got {type(cu).__name__} "
                         f"{getattr(cu, 'dtype', '')}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must have shape (B + 1,) with B >= 1, got {tuple(cu.shape)}")
-    values = cu.tolist()  # checked on the host; offsets on the CPU are copied to q's device
+    values = cu.tolist()  # checked on the host; _varlen_plan makes the device copies, once per packing
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -428,13 +429,63 @@ def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen, d
         raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lengths)})")
-    cu32 = cu.to(device=device, dtype=torch.int32)
-    return cu32[:-1].contiguous(), (cu32[1:] - cu32[:-1]).contiguous()
+    return values
+
+
+def _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal, window):
+    """The :class:`~course_lib.kernels.masked.MaskPlan` of a checked ``flash_attention_varlen``
+    call, kept per packing (the offsets' values, checked on the host), so that a repeated call
+    builds no tile lists and copies nothing to the device (and, with offsets on the CPU, can be
+    captured in a CUDA graph).
+
+    Where queries and keys share the offsets and the masked Gluon kernels cover the call (a Hopper
+    GPU), the packed batch is a *document mask* over the ``total`` packed tokens: token ``t`` of
+    sequence ``b`` has document id ``b``; with equal lengths FlashAttention-2's bottom-right
+    causal and window bands are the top-left ones of each sequence, and a band on global indices
+    is the same band on each sequence's own. The Gluon kernels take that plan (no per-sample
+    lengths); elsewhere the plan is the ragged one of the Triton kernels (a program per sequence
+    and tile, each reading its sequence's start and length).
+    """
+    d = q4.shape[-1]
+    block_m, block_n = masked.tile_sizes(d, q4.dtype)
+    key = (tuple(values_q), tuple(values_k), max_seqlen_q, max_seqlen_k, q4.shape[1], k4.shape[1], d, q4.dtype,
+           causal, window, block_m, block_n, str(q4.device))
+    plan = _VARLEN_CACHE.get(key)
+    if plan is not None:
+        return plan
+    if len(_VARLEN_CACHE) >= _PLAN_CACHE_SIZE:
+        _VARLEN_CACHE.pop(next(iter(_VARLEN_CACHE)))
+    lengths_q = [b - a for a, b in zip(values_q, values_q[1:])]
+    if values_q == values_k and q4.is_cuda:
+        from course_lib.kernels import gluon_masked  # Gluon is experimental: imported on a GPU only
+
+        total = values_q[-1]
+        ids = torch.repeat_interleave(torch.arange(len(lengths_q)), torch.tensor(lengths_q)).to(q4.device)
+        documents = bm.document_block_mask(ids, block_m, block_n)
+        plan = _mask_plan(q4, 1, q4.shape[1], total, total, block_m, block_n, causal, window, None, documents)
+        if gluon_masked.library_uses_gluon_masked(q4, k4, k4, plan):
+            _VARLEN_CACHE[key] = plan
+            return plan
+    lengths_k = [b - a for a, b in zip(values_k, values_k[1:])]
+    device = q4.device
+    start_q, len_q, start_k, len_k = (torch.tensor(x, dtype=torch.int32, device=device)
+                                      for x in (values_q[:-1], lengths_q, values_k[:-1], lengths_k))
+    lo, hi = bm.window_band(window, len_q.long(), len_k.long(), causal, bottom_right_causal=True)
+    classes = bm.band_tile_classes(max_seqlen_q, max_seqlen_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q,
+                                   len_k=len_k, device=device)
+    plan = _VARLEN_CACHE[key] = masked.MaskPlan(
+        block_mask=bm.BlockMask(classes, max_seqlen_q, max_seqlen_k, block_m, block_n), causal=causal,
+        causal_bottom_right=True, window=window, len_q=len_q, len_k=len_k, start_q=start_q, start_k=start_k,
+        varlen=True, num_samples=len_q.numel())
+    return plan
+
+
+_VARLEN_CACHE: dict = {}
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            causal: bool = False, scale: float | None = None, window=None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, deterministic: bool = False):
     """Attention over a packed batch of variable-length sequences, as FlashAttention-2's
     ``flash_attn_varlen_func``; forward and backward.
 
@@ -450,6 +501,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         window: ``(left, right)``, FlashAttention-2's sliding window, per sequence (see
             :func:`flash_attention`).
         return_lse: also return the log-sum-exp ``(H, total_q)`` float32 (forward only then).
+        deterministic: as :func:`flash_attention`'s (FlashAttention-2's varlen function has it too).
+            On Hopper, when queries and keys share the offsets, the call runs the masked Gluon
+            kernels on a document mask over the packed tokens (see :func:`_varlen_plan`), whose
+            default backward adds dQ with atomics; ``True`` keeps the Triton backward.
 
     Returns:
         ``o`` ``(total_q, H, d)`` in q's dtype (a view of a ``(H, total_q, d)`` buffer), or
@@ -465,24 +520,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     validate_inputs(validate_gqa(q4, k4, v4), k4, v4, causal, scale)
     if window is not None:
         window = bm.validate_window(window)
-    start_q, len_q = _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q",
-                                          max_seqlen_q, q.device)
-    start_k, len_k = _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k",
-                                          max_seqlen_k, q.device)
-    if len_q.shape != len_k.shape:
+    values_q = _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    values_k = _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    if len(values_q) != len(values_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-                         f"{len_q.numel()} and {len_k.numel()}")
+                         f"{len(values_q) - 1} and {len(values_k) - 1}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     d = q.shape[-1]
-    block_m, block_n = masked.tile_sizes(d, q.dtype)
-    lo, hi = bm.window_band(window, len_q.long(), len_k.long(), causal, bottom_right_causal=True)
-    classes = bm.band_tile_classes(max_seqlen_q, max_seqlen_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q,
-                                   len_k=len_k, device=q.device)
-    plan = masked.MaskPlan(
-        block_mask=bm.BlockMask(classes, max_seqlen_q, max_seqlen_k, block_m, block_n), causal=causal,
-        causal_bottom_right=True, window=window, len_q=len_q, len_k=len_k, start_q=start_q, start_k=start_k,
-        varlen=True, num_samples=len_q.numel())
+    plan = _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal, window)
     scale = default_scale(d) if scale is None else float(scale)
     if return_lse:
         o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
         return o4[0].permute(1, 0, 2), lse[0]
-    return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan)[0].permute(1, 0, 2)
+    return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic)[0].permute(1, 0, 2)
