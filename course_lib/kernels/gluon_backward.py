@@ -147,16 +147,16 @@ if gluon_hopper.available():
                 hq = h * group + g
                 lrow = lrow0 + hq * list_sh
                 stats = (b * n_heads + hq) * n_q
-                for s in range(0, gl.load(FULL_NUM + lrow) * (SPARSE_M // BLOCK_M)):
-                    _bwd_load(it, _list_row(FULL_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), q_desc, do_desc, q_ring,
-                              do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
-                              STAGES, STATS_ASYNC)
-                    it += 1
-                for s in range(0, gl.load(PART_NUM + lrow) * (SPARSE_M // BLOCK_M)):
-                    _bwd_load(it, _list_row(PART_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), q_desc, do_desc, q_ring,
-                              do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
-                              STAGES, STATS_ASYNC)
-                    it += 1
+                for part in gl.static_range(2):  # the consumers' order: the FULL list, then the PARTIAL one
+                    if part == 0:
+                        idx, count = FULL_IDX, gl.load(FULL_NUM + lrow)
+                    else:
+                        idx, count = PART_IDX, gl.load(PART_NUM + lrow)
+                    for s in range(0, count * (SPARSE_M // BLOCK_M)):
+                        _bwd_load(it, _list_row(idx, lrow, list_len, s, SPARSE_M, BLOCK_M), q_desc, do_desc, q_ring,
+                                  do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
+                                  STAGES, STATS_ASYNC)
+                        it += 1
         else:
             for t in range(0, n_tiles):
                 _bwd_load(t, (first + t) * BLOCK_M, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready,
@@ -296,22 +296,19 @@ if gluon_hopper.available():
                 stats = (b * n_heads + hq) * n_q
                 dq_base = DQ + stats.to(gl.int64) * HEAD_DIM
                 mask_h = MASK + hq * stride_mh
-                for s in range(0, gl.load(FULL_NUM + lrow) * (SPARSE_M // BLOCK_M)):
-                    dk, dv = _bwd_tile(it, _list_row(FULL_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
-                                       v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE, DELTA,
-                                       dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi,
-                                       doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM, BLOCK_M, STAGES, False,
-                                       BAND, DOCS, DENSE_MASK, True, DQ_MODE, STATS_ASYNC, a_layout, dq_layout,
-                                       add_layout, num_warps)
-                    it += 1
-                for s in range(0, gl.load(PART_NUM + lrow) * (SPARSE_M // BLOCK_M)):
-                    dk, dv = _bwd_tile(it, _list_row(PART_IDX, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
-                                       v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE, DELTA,
-                                       dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi,
-                                       doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM, BLOCK_M, STAGES, True,
-                                       BAND, DOCS, DENSE_MASK, True, DQ_MODE, STATS_ASYNC, a_layout, dq_layout,
-                                       add_layout, num_warps)
-                    it += 1
+                for part in gl.static_range(2):  # the FULL list without the element mask, then the PARTIAL one
+                    if part == 0:
+                        idx, count = FULL_IDX, gl.load(FULL_NUM + lrow)
+                    else:
+                        idx, count = PART_IDX, gl.load(PART_NUM + lrow)
+                    for s in range(0, count * (SPARSE_M // BLOCK_M)):
+                        dk, dv = _bwd_tile(it, _list_row(idx, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
+                                           v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE,
+                                           DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale,
+                                           qk_scale_log2, lo, hi, doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM,
+                                           BLOCK_M, STAGES, part == 1, BAND, DOCS, DENSE_MASK, True, DQ_MODE,
+                                           STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
+                        it += 1
         else:
             dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
             stats = pid_bh * n_q
