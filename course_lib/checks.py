@@ -88,29 +88,54 @@ class _UserInterrupt(KeyboardInterrupt):
 
 
 def is_library_object(obj: Any) -> bool:
-    """True when ``obj`` (a function, a class, a Triton kernel, a ``functools.partial``) is the
-    library's own: defined in a ``course_lib`` module. A learner's answer is defined in the
-    notebook (module ``__main__``) or in a file of their own."""
-    for _ in range(4):  # unwrap Triton's JITFunction/Autotuner (.fn) and partials (.func)
-        if obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+    """True when ``obj`` is the library's own code: a function, a class, a Triton kernel (or its
+    ``.fn``), a ``functools.partial``, a wrapper (``__wrapped__``), an object that carries a kernel
+    (``.kernel``, as chapter 10's switched model kernels do), or anything the checks handed back
+    as a fallback. A learner's answer is defined in the notebook (module ``__main__``) or in a
+    file of their own."""
+    for _ in range(6):  # unwrap Triton's JITFunction/Autotuner (.fn), partials (.func), wrappers
+        if obj is None or isinstance(obj, _PLAIN_DATA):
             return False
+        if id(obj) in _HANDED_BACK:
+            return True
         module = getattr(obj, "__module__", None)
         if isinstance(module, str) and (module == "course_lib" or module.startswith("course_lib.")):
             return True
-        inner = getattr(obj, "fn", None) or getattr(obj, "func", None)
+        inner = next((getattr(obj, name) for name in _WRAPPER_ATTRS
+                      if getattr(obj, name, None) is not None), None)
         if inner is None or inner is obj:
             return False
         obj = inner
     return False
 
 
+# What a check is handed besides code: numbers, text, arrays, tensors, devices, dtypes.
+_PLAIN_DATA = (str, bytes, int, float, complex, bool, type(None))
+# Attributes through which code wraps other code (Triton kernels, partials, decorators, the
+# switched model kernels of chapter 10).
+_WRAPPER_ATTRS = ("fn", "func", "__wrapped__", "kernel")
+# id -> object of every fallback a check handed back ("not done yet"): the library's own code,
+# whatever wraps it. Kept alive here so that an id is never reused by another object.
+_HANDED_BACK: dict[int, Any] = {}
+
+
 def _answers_in(values: Iterable[Any]) -> list[Any]:
-    """The callables and classes among ``values`` (through tuples and lists, one level deep)."""
+    """Everything among ``values`` (through tuples, lists and dict values, one level deep) that
+    can be code: callables, classes, kernels, and objects that merely carry code (a switched
+    kernel is subscriptable, not callable) — not numbers, text, arrays or tensors."""
     found = []
     for v in values:
-        items = v if isinstance(v, (tuple, list)) else (v,)
-        found += [e for e in items if callable(e)]
+        items = (v if isinstance(v, (tuple, list)) else
+                 list(v.values()) if isinstance(v, dict) else (v,))
+        found += [e for e in items if not _is_data(e)]
     return found
+
+
+def _is_data(obj: Any) -> bool:
+    if isinstance(obj, _PLAIN_DATA):
+        return True
+    kind = type(obj)
+    return kind.__module__.split(".")[0] in ("numpy", "torch") and not callable(obj)
 
 
 # True inside :func:`library_answers_allowed`: the library's test suite hands the checks mistake
@@ -178,9 +203,17 @@ class _LibraryAnswer(BaseException):
 
 
 def _library_names(library: Sequence[Any]) -> str:
-    names = [f"`{getattr(o, '__name__', None) or getattr(getattr(o, 'fn', None), '__name__', '?')}`"
-             for o in library]
-    return ", ".join(names)
+    def name(obj):
+        for _ in range(6):
+            found = getattr(obj, "__name__", None)
+            if isinstance(found, str):
+                return found
+            inner = next((getattr(obj, a) for a in _WRAPPER_ATTRS if getattr(obj, a, None) is not None), None)
+            if inner is None:
+                return type(obj).__name__
+            obj = inner
+        return type(obj).__name__
+    return ", ".join(f"`{name(o)}`" for o in library)
 
 
 def strict_mode() -> bool:
@@ -232,6 +265,8 @@ def not_done(exercise: str, fallback: Any, lines: Sequence[str] = ()) -> Any:
         raise ExerciseFailed(f"✗ {exercise}: not done (COURSE_STRICT=1 makes an unfinished "
                              f"exercise a failure)\n" + text)
     print(text)
+    if fallback is not None and not _is_data(fallback):
+        _HANDED_BACK[id(fallback)] = fallback
     return fallback
 
 

@@ -279,3 +279,25 @@ def test_a_check_cell_that_kills_the_process(tmp_path):
         ("1.1", "passed", "toy passed"),
         ("1.2", "not run", "its check never reported: the Python process running the notebook died "
                            "at cell 1, its check cell")]
+
+
+@pytest.mark.ch10
+def test_a_check_cell_pasted_twice_over_an_untouched_exercise_is_not_done(tmp_path):
+    """Chapter 10's checks hand back a switched model kernel (not callable) when an exercise is not
+    done; a learner who pastes the check cell twice (or runs it again) must still be graded "not
+    done", never "passed" (it once was: the switched kernel was not recognised as the library's)."""
+    learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "10_masks_in_triton.ipynb"), as_version=4)
+    for exercise in ("10.2", "10.3"):
+        i = next(j for j, c in enumerate(learner.cells) if c.cell_type == "code"
+                 and f"check_{'varlen' if exercise == '10.2' else 'block_sparse'}_kernel(" in c.source)
+        twin = copy.deepcopy(learner.cells[i])
+        twin.id = f"pasted-{exercise.replace('.', '-')}"
+        learner.cells.insert(i + 1, twin)
+    (tmp_path / "sub").mkdir()
+    nbformat.write(learner, str(tmp_path / "sub" / "pat__10_masks_in_triton.ipynb"))
+    run = _run_grader(tmp_path / "sub", tmp_path / "out")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["exercise"]: r for r in _rows(tmp_path / "out")}
+    for exercise in ("10.2", "10.3"):
+        assert rows[exercise]["status"] == "not done", rows[exercise]
+    assert all(r["status"] != "passed" for r in rows.values()), rows
