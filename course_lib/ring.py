@@ -24,25 +24,35 @@ Shard layouts (``LAYOUTS``):
   and ``2W - 1 - r`` (one early, one late), so that with a causal mask every rank has the same
   amount of work. All shards must have the same even length.
 
+Where the ranks run (:func:`launch_plan`): on CPU, gloo processes and the Triton interpreter; on
+GPUs, one process per GPU joined by NCCL when there are at least as many GPUs as ranks; with
+fewer GPUs than ranks (a notebook on one GPU), the ranks share the GPUs and talk through gloo,
+each message copied through host memory (*host staging*), because NCCL refuses two ranks on one
+device. Every tensor a rank computes with stays on its device.
+
 Stable names: :func:`rank_chunks`, :func:`shard`, :func:`unshard`, :func:`block_plan`,
 :func:`merge_partials`, :func:`ring_attention`, :func:`ring_attention_with_lse`,
 :func:`causal_work`, :func:`step_bytes`, :func:`step_flops`, :func:`hide_threshold`,
-:func:`run_ranks`, :func:`run_cases`.
+:func:`launch_plan`, :func:`rank_device`, :func:`run_ranks`, :func:`run_cases`,
+:func:`context_parallel_buffers`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from course_lib import runtime
 from course_lib.reference import default_scale
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -58,6 +68,10 @@ INFINIBAND_NDR_BYTES_PER_S = 50e9
 # enough for the Triton interpreter on a loaded 2-core machine, short enough that a bug in a
 # notebook stops with an error instead of hanging the kernel.
 DEFAULT_TIMEOUT_S = 120.0
+# On a GPU the first ring call compiles the forward and backward kernels in every rank at once;
+# from a cold Triton cache a float32 forward+backward took 21 s (d = 64) to 80 s (d = 128) on an
+# H100 (FACTS.md, "fp32 compile times"), and ranks sharing one GPU compile side by side.
+GPU_TIMEOUT_S = 600.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,6 +347,7 @@ class _Ring:
     chunks: list  # chunk ids per rank
     chunk_lengths: list  # [rank][chunk] lengths
     shard_shapes: list  # 4-d shape of every rank's K (and V) shard
+    host_staging: bool = False  # messages copied through host memory (gloo with GPU tensors)
     trace: list | None = None
 
     def peer(self, r: int) -> int:
@@ -362,7 +377,21 @@ def _rank_info(group):
     return dist.get_rank(group), world
 
 
-def _setup(q, k, v, causal, scale, group, layout) -> _Ring:
+def _host_staging(group, device: torch.device, host_staging) -> bool:
+    """Whether messages go through host memory: asked for, or gloo (which reads and writes host
+    memory only) carrying GPU tensors. NCCL sends device memory and cannot send host copies."""
+    backend = dist.get_backend(group)
+    if host_staging is None:
+        return backend == "gloo" and device.type == "cuda"
+    if not isinstance(host_staging, bool):
+        raise TypeError(f"host_staging must be True, False or None, got {host_staging!r}")
+    if host_staging and backend == "nccl":
+        raise ValueError("host_staging=True copies messages to host memory, which NCCL cannot "
+                         "send: use a gloo group, or host_staging=None")
+    return host_staging
+
+
+def _setup(q, k, v, causal, scale, group, layout, host_staging=None) -> _Ring:
     """Validate locally, then compare every rank's metadata (one small all_gather) so that a
     mismatch raises the same named error on every rank instead of hanging the ring."""
     from course_lib.kernels.api import validate_inputs
@@ -375,6 +404,7 @@ def _setup(q, k, v, causal, scale, group, layout) -> _Ring:
         if q.shape[-2] != k.shape[-2]:
             raise ValueError(f"q and k must hold the same positions (self-attention shards): "
                              f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        staged = _host_staging(group, q.device, host_staging)
     except (TypeError, ValueError) as err:  # every rank must hear of it, or the others hang
         problem = (type(err).__name__, str(err))
     meta = (str(q.dtype), q.device.type, tuple(q.shape[:-2]), q.shape[-1], q.shape[-2],
@@ -403,7 +433,7 @@ def _setup(q, k, v, causal, scale, group, layout) -> _Ring:
     chunk_lengths = shard_chunk_lengths(lengths, layout)
     lead = _as4d_shape(q.shape)
     shapes = [(lead[0], lead[1], n, q.shape[-1]) for n in lengths]
-    return _Ring(group, rank, world, layout, chunks, chunk_lengths, shapes)
+    return _Ring(group, rank, world, layout, chunks, chunk_lengths, shapes, staged)
 
 
 def _as4d_shape(shape):
@@ -412,17 +442,89 @@ def _as4d_shape(shape):
     return as_4d(torch.empty(shape, device="meta")).shape
 
 
-def _post(ring: _Ring, sends, recv_like):
-    """Post sends to the next rank and receives from the previous one; return (requests, buffers)."""
-    recvs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in recv_like]
-    ops = [dist.P2POp(dist.isend, t, ring.next, ring.group) for t in sends]
-    ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group) for t in recvs]
-    return dist.batch_isend_irecv(ops), recvs
+class _Transfer:
+    """Messages posted to the next rank and buffers posted for the previous rank's messages.
+
+    With host staging each message is copied to host memory before it is posted (gloo reads
+    host memory only; the copy waits for the kernels that wrote the tensor), and what arrives
+    is copied back to the device in :meth:`wait`.
+    """
+
+    def __init__(self, ring: _Ring, sends, recv_like):
+        """Post ``sends`` to ``ring.next`` and receives of ``recv_like`` ``[(shape, dtype,
+        device)]`` from ``ring.prev``."""
+        self.devices = [torch.device(device) for _, _, device in recv_like]
+        if ring.host_staging:
+            sends = [t.to("cpu", copy=True) for t in sends]
+        where = [torch.device("cpu") if ring.host_staging else device for device in self.devices]
+        self._recvs = [torch.empty(shape, dtype=dtype, device=device)
+                       for (shape, dtype, _), device in zip(recv_like, where)]
+        self._sends = sends  # kept alive until the wait: the sends read them asynchronously
+        ops = [dist.P2POp(dist.isend, t, ring.next, ring.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group) for t in self._recvs]
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list:
+        """Wait for every send and receive; return the received tensors on their devices."""
+        for request in self._requests:
+            request.wait()
+        return [t.to(device) for t, device in zip(self._recvs, self.devices)]
 
 
-def _record(ring: _Ring, **entry):
-    if ring.trace is not None:
-        ring.trace.append(entry)
+class _StepClock:
+    """Marks the phases of ring steps for the trace: the host clock on CPU; CUDA events on a GPU,
+    whose kernels run asynchronously (a host clock would time their launches), read once the
+    pass is over."""
+
+    def __init__(self, device: torch.device):
+        self._events = device.type == "cuda"
+        self._marks: list = []
+
+    def mark(self) -> int:
+        """Mark now (in stream order on a GPU); return the mark's index."""
+        if self._events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
+
+    def seconds(self, start: int, stop: int) -> float:
+        """Seconds between two marks (waits for the later one on a GPU)."""
+        a, b = self._marks[start], self._marks[stop]
+        if self._events:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+def _trace_step(clock: _StepClock | None, pending: list, marks: tuple, **entry):
+    """Keep one step's record (its times are read at the end of the pass, :func:`_flush_trace`)."""
+    if clock is not None:
+        pending.append((marks, entry))
+
+
+def _flush_trace(ring: _Ring, clock: _StepClock | None, pending: list) -> None:
+    if clock is None:
+        return
+    for (start, computed, waited), entry in pending:
+        ring.trace.append({**entry, "compute_s": clock.seconds(start, computed),
+                           "wait_s": clock.seconds(computed, waited)})
+
+
+def _step_clock(ring: _Ring, device: torch.device) -> _StepClock | None:
+    return None if ring.trace is None else _StepClock(device)
+
+
+def _mark(clock: _StepClock | None) -> int | None:
+    return None if clock is None else clock.mark()
+
+
+def _plan_extent(plan):
+    if plan is None:
+        return {"rows": None, "cols": None}
+    return {"rows": (plan.rows.start, plan.rows.stop), "cols": (plan.cols.start, plan.cols.stop)}
 
 
 def _ring_forward(q4, k4, v4, causal, scale, ring: _Ring):
@@ -433,14 +535,14 @@ def _ring_forward(q4, k4, v4, causal, scale, ring: _Ring):
     o = torch.zeros(q4.shape, dtype=acc, device=q4.device)  # (B, H, n, d) running output
     lse = torch.full(q4.shape[:-1], -math.inf, dtype=acc, device=q4.device)  # (B, H, n)
     k_cur, v_cur = k4.contiguous(), v4.contiguous()
+    clock, pending = _step_clock(ring, q4.device), []
     for step in range(ring.world):
-        start = time.perf_counter()
+        start = _mark(clock)
         src = ring_source(ring.rank, step, ring.world)
-        reqs, sent = None, 0
+        transfer, sent = None, 0
         if step + 1 < ring.world:  # post the next shard before computing on this one
             nxt = ring.shard_shapes[ring_source(ring.rank, step + 1, ring.world)]
-            reqs, (k_next, v_next) = _post(ring, [k_cur, v_cur],
-                                           [(nxt, k_cur.dtype, k_cur.device)] * 2)
+            transfer = _Transfer(ring, [k_cur, v_cur], [(nxt, k_cur.dtype, k_cur.device)] * 2)
             sent = k_cur.nbytes + v_cur.nbytes
         plan = ring.plan(src, causal)
         if plan is not None:
@@ -448,67 +550,68 @@ def _ring_forward(q4, k4, v4, causal, scale, ring: _Ring):
                                                       v_cur[:, :, plan.cols], plan.causal, scale)
             o[:, :, plan.rows], lse[:, :, plan.rows] = merge_partials(
                 o[:, :, plan.rows], lse[:, :, plan.rows], o_blk, lse_blk)
-        computed = time.perf_counter()
-        if reqs is not None:
-            for req in reqs:
-                req.wait()
-            k_cur, v_cur = k_next, v_next
-        _record(ring, pass_="fwd", step=step, src=src, bytes_sent=sent,
-                rows=None if plan is None else (plan.rows.start, plan.rows.stop),
-                cols=None if plan is None else (plan.cols.start, plan.cols.stop),
-                compute_s=computed - start, wait_s=time.perf_counter() - computed)
+        computed = _mark(clock)
+        if transfer is not None:
+            k_cur, v_cur = transfer.wait()
+        _trace_step(clock, pending, (start, computed, _mark(clock)), pass_="fwd", step=step,
+                    src=src, bytes_sent=sent, **_plan_extent(plan))
+    _flush_trace(ring, clock, pending)
     return o.to(q4.dtype), lse.to(torch.float64 if q4.dtype == torch.float64 else torch.float32)
+
+
+def _block_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+    """One block's ``(dq, dk, dv)`` by the backward :func:`course_lib.flash_attention` takes for
+    it (its autograd function's own dispatch: the Gluon one-pass kernel on Hopper where it
+    applies, chapter 07's kernels elsewhere), given the merged ``lse`` of these query rows."""
+    from course_lib.kernels.api import FlashAttentionFunction
+
+    ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse), causal=causal, scale=scale,
+                          deterministic=False)
+    return FlashAttentionFunction.backward(ctx, do)[:3]
 
 
 def _ring_backward(do4, q4, k4, v4, o4, lse, causal, scale, ring: _Ring):
     """K/V go round again; dK/dV accumulators travel with them and make one extra hop home."""
-    from course_lib.kernels.backward import attention_backward
-
     acc = torch.float64 if q4.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q4.shape, dtype=acc, device=q4.device)
     k_cur, v_cur = k4.contiguous(), v4.contiguous()
-    dkv_reqs = dk_in = dv_in = None
+    dkv = None
+    clock, pending = _step_clock(ring, q4.device), []
     for step in range(ring.world):
-        start = time.perf_counter()
+        start = _mark(clock)
         src = ring_source(ring.rank, step, ring.world)
-        kv_reqs, sent = None, 0
+        kv, sent = None, 0
         if step + 1 < ring.world:
             nxt = ring.shard_shapes[ring_source(ring.rank, step + 1, ring.world)]
-            kv_reqs, (k_next, v_next) = _post(ring, [k_cur, v_cur],
-                                              [(nxt, k_cur.dtype, k_cur.device)] * 2)
+            kv = _Transfer(ring, [k_cur, v_cur], [(nxt, k_cur.dtype, k_cur.device)] * 2)
             sent += k_cur.nbytes + v_cur.nbytes
         dk_part = torch.zeros(k_cur.shape, dtype=acc, device=q4.device)
         dv_part = torch.zeros(v_cur.shape, dtype=acc, device=q4.device)
         plan = ring.plan(src, causal)
         if plan is not None:
             rows, cols = plan.rows, plan.cols
-            dq_b, dk_b, dv_b = attention_backward(
+            dq_b, dk_b, dv_b = _block_backward(
                 do4[:, :, rows], q4[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
                 o4[:, :, rows], lse[:, :, rows].contiguous(), plan.causal, scale)
             dq[:, :, rows] += dq_b.to(acc)
             dk_part[:, :, cols] = dk_b.to(acc)
             dv_part[:, :, cols] = dv_b.to(acc)
-        computed = time.perf_counter()
-        if dkv_reqs is not None:  # the accumulators of the block we hold, from the previous rank
-            for req in dkv_reqs:
-                req.wait()
+        computed = _mark(clock)
+        if dkv is not None:  # the accumulators of the block we hold, from the previous rank
+            dk_in, dv_in = dkv.wait()
             dk_part += dk_in
             dv_part += dv_in
         # pass the accumulators on (after the last step this takes each one home)
-        dkv_reqs, (dk_in, dv_in) = _post(
-            ring, [dk_part, dv_part],
-            [(ring.shard_shapes[ring_source(ring.rank, step + 1, ring.world)], acc, q4.device)] * 2)
+        dkv = _Transfer(ring, [dk_part, dv_part],
+                        [(ring.shard_shapes[ring_source(ring.rank, step + 1, ring.world)], acc,
+                          q4.device)] * 2)
         sent += dk_part.nbytes + dv_part.nbytes
-        if kv_reqs is not None:
-            for req in kv_reqs:
-                req.wait()
-            k_cur, v_cur = k_next, v_next
-        _record(ring, pass_="bwd", step=step, src=src, bytes_sent=sent,
-                rows=None if plan is None else (plan.rows.start, plan.rows.stop),
-                cols=None if plan is None else (plan.cols.start, plan.cols.stop),
-                compute_s=computed - start, wait_s=time.perf_counter() - computed)
-    for req in dkv_reqs:
-        req.wait()
+        if kv is not None:
+            k_cur, v_cur = kv.wait()
+        _trace_step(clock, pending, (start, computed, _mark(clock)), pass_="bwd", step=step,
+                    src=src, bytes_sent=sent, **_plan_extent(plan))
+    dk_in, dv_in = dkv.wait()
+    _flush_trace(ring, clock, pending)
     return dq.to(q4.dtype), dk_in.to(k4.dtype), dv_in.to(v4.dtype)
 
 
@@ -537,7 +640,8 @@ class RingAttentionFunction(torch.autograd.Function):
 
 
 def ring_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None, *,
-                            group=None, layout: str = "contiguous", trace: list | None = None):
+                            group=None, layout: str = "contiguous", trace: list | None = None,
+                            host_staging: bool | None = None):
     """Ring attention over ``group``: this rank's output rows and their log-sum-exp.
 
     Every rank of the group calls it at the same time with its own shard.
@@ -550,20 +654,24 @@ def ring_attention_with_lse(q, k, v, causal: bool = False, scale: float | None =
         group: a ``torch.distributed`` process group of at least 2 ranks (None: the default).
         layout: ``"contiguous"`` (ragged shards allowed) or ``"zigzag"`` (equal, even shards).
         trace: a list to append one record per ring step to (step, source rank, bytes sent,
-            compute and wait seconds); the backward appends its own.
+            compute and wait seconds: host clock on CPU, CUDA events on a GPU); the backward
+            appends its own.
+        host_staging: copy every message through host memory (None: exactly when the group is
+            gloo and the tensors are on a GPU; True with NCCL is refused).
 
     Returns:
         ``(o, lse)``: ``(..., n_r, d)`` in q's dtype, differentiable w.r.t. q, k and v (the lse
         is not: its gradient is ignored); ``(..., n_r)`` float32 (float64 for float64).
     """
-    ring = _setup(q, k, v, causal, scale, group, layout)
+    ring = _setup(q, k, v, causal, scale, group, layout, host_staging)
     ring.trace = trace
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     return RingAttentionFunction.apply(q, k, v, causal, scale, ring)
 
 
 def ring_attention(q, k, v, causal: bool = False, scale: float | None = None, *, group=None,
-                   layout: str = "contiguous", trace: list | None = None) -> torch.Tensor:
+                   layout: str = "contiguous", trace: list | None = None,
+                   host_staging: bool | None = None) -> torch.Tensor:
     """Ring attention over ``group``: this rank's output rows ``(..., n_r, d)``, with autograd.
 
     Same arguments as :func:`ring_attention_with_lse`; gathered over the ranks (in the order of
@@ -571,19 +679,85 @@ def ring_attention(q, k, v, causal: bool = False, scale: float | None = None, *,
     sequence.
     """
     return ring_attention_with_lse(q, k, v, causal, scale, group=group, layout=layout,
-                                   trace=trace)[0]
+                                   trace=trace, host_staging=host_staging)[0]
 
 
 # ----------------------------------------------------------------------------------------------
-# Launching ranks from a notebook or a test: processes, gloo, a file store
+# Launching ranks from a notebook or a test: processes, a process group, a file store
 # ----------------------------------------------------------------------------------------------
 
-def _rank_main(rank, world, store_dir, fn, args, timeout_s, backend="gloo"):
-    if backend == "nccl":
-        torch.cuda.set_device(rank)  # one GPU per rank
-    else:
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How :func:`run_ranks` starts ``world`` ranks: the process group's backend, each rank's
+    device, and whether the ring copies its messages through host memory."""
+
+    backend: str
+    devices: tuple  # one torch device string per rank, e.g. ("cuda:0", "cuda:0", "cuda:0")
+    host_staging: bool
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    def describe(self) -> str:
+        """One line: processes, backend, devices."""
+        where = sorted(set(self.devices))
+        if self.backend == "nccl":
+            return f"{self.world} processes, NCCL, one GPU each ({', '.join(self.devices)})"
+        if where == ["cpu"]:
+            return f"{self.world} processes on the CPU, gloo (Triton interpreter)"
+        return (f"{self.world} processes sharing {', '.join(where)}, gloo: every message copied "
+                f"through host memory (NCCL needs one GPU per rank)")
+
+
+def launch_plan(world: int, device: str | None = None, gpus: int | None = None) -> LaunchPlan:
+    """Where :func:`run_ranks` puts ``world`` ranks.
+
+    CPU: gloo. GPUs: one process per GPU with NCCL when there are at least ``world`` GPUs.
+    Fewer GPUs than ranks (a notebook on one GPU): rank ``r`` runs on GPU ``r mod gpus`` and
+    the group is gloo, because NCCL refuses two ranks on one device; gloo moves host memory
+    only, so the ring copies each message to the host and back (slow, but on a shared GPU
+    correctness is all there is to see).
+
+    Args:
+        world: number of ranks.
+        device: ``"cpu"`` or ``"cuda"``; None = the device of :func:`course_lib.runtime.current`.
+        gpus: GPUs to spread the ranks over; None = ``torch.cuda.device_count()``.
+
+    Returns:
+        :class:`LaunchPlan`.
+    """
+    _check_world(world)
+    device = runtime.current().device if device is None else device
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cpu":
+        return LaunchPlan("gloo", ("cpu",) * world, False)
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"device='cuda' needs at least one GPU, got gpus = {gpus!r}")
+    if gpus >= world:
+        return LaunchPlan("nccl", tuple(f"cuda:{r}" for r in range(world)), False)
+    return LaunchPlan("gloo", tuple(f"cuda:{r % gpus}" for r in range(world)), True)
+
+
+def rank_device() -> torch.device:
+    """The device of this rank (inside :func:`run_ranks`): its GPU in GPU mode, else the CPU."""
+    if runtime.current().on_gpu:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _rank_main(rank, world, store_dir, fn, args, timeout_s, plan: LaunchPlan, mode: str):
+    runtime.setup(force=mode, verbose=False)  # the parent's choice, before any kernel is defined
+    if plan.devices[rank] != "cpu":
+        torch.cuda.set_device(torch.device(plan.devices[rank]))
+    if plan.backend == "gloo":
         torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
+    dist.init_process_group(plan.backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -593,24 +767,37 @@ def _rank_main(rank, world, store_dir, fn, args, timeout_s, backend="gloo"):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
-              start_method: str = "spawn", backend: str = "gloo") -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` new processes joined by a process group
-    (``backend`` ``"gloo"`` on CPU; ``"nccl"``: rank r on GPU r).
+def run_ranks(fn, world: int, *args, timeout_s: float | None = None, start_method: str = "spawn",
+              backend: str | None = None, device: str | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes joined by a process group.
+
+    Where they run is :func:`launch_plan`'s choice for ``device`` (None: the runtime's): gloo on
+    CPU; NCCL, one GPU per rank; or gloo on shared GPUs. ``device="cpu"`` on a GPU machine runs
+    the ranks in the Triton interpreter. Inside ``fn``, :func:`rank_device` is the rank's device.
 
     The group meets through a file in a fresh temporary folder (no port to collide with another
     run). ``fn`` must be importable by name (a module-level function of a module, not a
     notebook cell) because the processes are started with ``spawn``. Returns what each rank
     returned, in rank order (it must be picklable by ``torch.save``). A rank that raises stops
     the run with its traceback.
+
+    Args:
+        timeout_s: how long a rank waits for the others (None: :data:`DEFAULT_TIMEOUT_S` on CPU,
+            :data:`GPU_TIMEOUT_S` on GPUs, where the first call compiles the kernels).
+        backend: None (the plan's) or the plan's own backend; any other is refused.
     """
     import torch.multiprocessing as mp
 
-    _check_world(world)
+    plan = launch_plan(world, device)
+    if backend is not None and backend != plan.backend:
+        raise ValueError(f"backend {backend!r} cannot run {world} ranks here: "
+                         f"{plan.describe()} (leave backend=None)")
+    if timeout_s is None:
+        timeout_s = DEFAULT_TIMEOUT_S if plan.devices[0] == "cpu" else GPU_TIMEOUT_S
+    mode = runtime.INTERPRETER if plan.devices[0] == "cpu" else runtime.GPU
     with tempfile.TemporaryDirectory(prefix="ring_") as store_dir:
-        mp.start_processes(_rank_main, args=(world, store_dir, fn, args, timeout_s, backend),
-                           nprocs=world,
-                           join=True, start_method=start_method)
+        mp.start_processes(_rank_main, args=(world, store_dir, fn, args, timeout_s, plan, mode),
+                           nprocs=world, join=True, start_method=start_method)
         return [torch.load(os.path.join(store_dir, f"result_{r}.pt"), weights_only=False)
                 for r in range(world)]
 
@@ -631,13 +818,15 @@ class RingCase:
     backward: bool = True
     label: str = ""
     skew: str | None = None  # error tests: the last rank's shard gets another "dtype" or "d"
+    host_staging: bool | None = None  # the ring's choice (None), or forced (tests of the GPU path)
 
     @property
     def world(self) -> int:
         return len(self.lengths)
 
     def inputs(self):
-        """The whole-sequence ``q, k, v, do`` ``(B, H, N, d)`` (the same on every rank: seeded)."""
+        """The whole-sequence ``q, k, v, do`` ``(B, H, N, d)`` on the CPU (the same on every
+        rank: seeded)."""
         gen = torch.Generator().manual_seed(self.seed)
         n = int(sum(self.lengths))
         return tuple(torch.randn(self.batch, self.heads, n, self.d, generator=gen,
@@ -647,7 +836,8 @@ class RingCase:
 
 @dataclass
 class CaseResult:
-    """What a rank returns for one :class:`RingCase`: its output shard, gradients and trace."""
+    """What a rank returns for one :class:`RingCase`: its output shard, gradients and trace,
+    on the CPU whichever device computed them."""
 
     o: torch.Tensor | None = None
     lse: torch.Tensor | None = None
@@ -656,9 +846,11 @@ class CaseResult:
     error: str | None = None
 
 
-def run_case(case: RingCase, group=None, device: str = "cpu") -> CaseResult:
-    """Run ``case`` on this rank of ``group`` (its size must be ``case.world``)."""
+def run_case(case: RingCase, group=None, device=None) -> CaseResult:
+    """Run ``case`` on this rank of ``group`` (its size must be ``case.world``), on ``device``
+    (None: :func:`rank_device`)."""
     rank = dist.get_rank(group)
+    device = rank_device() if device is None else torch.device(device)
     equal = len(set(case.lengths)) == 1 and case.lengths[0] % 2 == 0
     if case.layout == "zigzag" and equal:
         q, k, v, do = (shard(x, rank, case.world, "zigzag") for x in case.inputs())
@@ -671,7 +863,7 @@ def run_case(case: RingCase, group=None, device: str = "cpu") -> CaseResult:
     q, k, v = (x.requires_grad_(case.backward) for x in (q, k, v))
     trace: list = []
     o, lse = ring_attention_with_lse(q, k, v, case.causal, group=group, layout=case.layout,
-                                     trace=trace)
+                                     trace=trace, host_staging=case.host_staging)
     grads = None
     if case.backward:
         o.backward(do)
@@ -679,47 +871,84 @@ def run_case(case: RingCase, group=None, device: str = "cpu") -> CaseResult:
     return CaseResult(o.detach().cpu(), lse.detach().cpu(), grads, trace)
 
 
+def context_parallel_layout(causal: bool) -> str:
+    """The order PyTorch's ``context_parallel`` shards a sequence in, as one of :data:`LAYOUTS`:
+    its head-tail load balancing (chunks ``r`` and ``2W − 1 − r``, our zig-zag) for causal
+    calls, contiguous chunks otherwise (it refuses load balancing without a causal mask)."""
+    return "zigzag" if causal else "contiguous"
+
+
+@contextlib.contextmanager
+def context_parallel_buffers(mesh, causal: bool, buffers):
+    """PyTorch's context parallelism over ``mesh``: inside, ``buffers`` (whole sequences
+    ``(B, H, N, d)``) are this rank's shards (in :func:`context_parallel_layout` order, resized
+    in place) and ``scaled_dot_product_attention`` runs PyTorch's ring; on exit they are whole
+    again.
+
+    ``torch.distributed.tensor.experimental.context_parallel`` balances a causal mask's work by
+    default and raises "Load balancing requires `is_causal=True`" for a non-causal SDPA call;
+    its switch (``_cp_options.enable_load_balance``, private in torch 2.11-2.13, read when the
+    context starts) is set to ``causal`` here and restored after.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    before = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = bool(causal)
+    try:
+        with context_parallel(mesh, buffers=list(buffers), buffer_seq_dims=[2] * len(buffers)):
+            yield buffers
+    finally:
+        _cp_options.enable_load_balance = before
+
+
 def torch_context_parallel(q, k, v, causal: bool, device_type: str = "cpu"):
     """PyTorch's own ring: ``scaled_dot_product_attention`` inside
-    ``torch.distributed.tensor.experimental.context_parallel`` over all ranks of the default group.
+    :func:`context_parallel_buffers` over all ranks of the default group.
 
-    ``q, k, v`` are the *whole* sequence ``(B, H, N, d)`` on every rank; the context manager
-    shards them in place (its own load-balanced order for causal) and SDPA runs its ring.
-    Returns this rank's output shard (in PyTorch's order). On CPU with gloo (torch 2.13) it
+    ``q, k, v`` are the *whole* sequence ``(B, H, N, d)`` on every rank. Returns this rank's
+    output shard (in :func:`context_parallel_layout` order). On CPU with gloo (torch 2.13) it
     raises: the CPU flash-attention operator has no sharding rule, and the math backend mixes
     DTensors with plain tensors.
     """
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     q, k, v = (x.detach().clone() for x in (q, k, v))  # it resizes its buffers in place
-    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+    with context_parallel_buffers(mesh, causal, [q, k, v]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+TOKENS_FOR_STATUS = 8
+# PyTorch's ring shards the GPU SDPA backends (flash, memory-efficient, cuDNN), which take half
+# precision; on CPU the dtype is the interpreter's float64 (it fails there before any arithmetic).
+STATUS_DTYPE = {"cpu": "float64", "cuda": "bfloat16"}
 
 
 def context_parallel_status(rank: int, world: int, case: RingCase | None = None) -> str:
     """For :func:`run_ranks`: try :func:`torch_context_parallel` on ``case`` and say what
-    happened, in one line (``"ran"`` or the error's type and first line)."""
-    case = case or RingCase((TOKENS_FOR_STATUS,) * world, causal=True, backward=False)
-    q, k, v, _ = case.inputs()
+    happened, in one line (``"ran"``, ``"not tried: …"`` or the error's type and first line)."""
+    device = rank_device()
+    if device.type == "cuda" and dist.get_backend() != "nccl":
+        return ("not tried: it needs one GPU per rank with NCCL, and these ranks share a GPU "
+                "through gloo (tools/bench_ring.py runs it on several GPUs)")
+    case = case or RingCase((TOKENS_FOR_STATUS,) * world, causal=True, backward=False,
+                            dtype=STATUS_DTYPE[device.type])
+    q, k, v, _ = (x.to(device) for x in case.inputs())
     try:
-        torch_context_parallel(q, k, v, case.causal)
+        torch_context_parallel(q, k, v, case.causal, device_type=device.type)
         return "ran"
     except Exception as err:  # noqa: BLE001 - the report is the point
         return f"{type(err).__name__}: {str(err).splitlines()[0]}"
-
-
-TOKENS_FOR_STATUS = 8
 
 
 def cases_worker(rank: int, world: int, cases, try_context_parallel: bool = False) -> list:
     """For :func:`run_ranks`: run every case on a subgroup of its size (ranks ``0 … W-1``).
 
     Subgroups let one set of processes try several world sizes. A case that raises a
-    ``ValueError`` or ``RuntimeError`` gives ``CaseResult(error=message)`` on each rank that ran
-    it; ranks outside a case's subgroup return None for it.
+    ``ValueError``, ``RuntimeError`` or ``TypeError`` gives ``CaseResult(error=message)`` on
+    each rank that ran it; ranks outside a case's subgroup return None for it.
     """
     groups = {}
     for size in sorted({c.world for c in cases}):
@@ -739,7 +968,8 @@ def cases_worker(rank: int, world: int, cases, try_context_parallel: bool = Fals
 
 
 def run_cases(cases, world: int | None = None, **kwargs) -> list[list]:
-    """Run :class:`RingCase` s in ``world`` processes (default: the largest case's size).
+    """Run :class:`RingCase` s in ``world`` processes (default: the largest case's size);
+    ``kwargs`` go to :func:`run_ranks` (``device``, ``timeout_s``, …).
 
     Returns ``results[case][rank]`` (:class:`CaseResult`, None for ranks outside the case).
     """
@@ -769,11 +999,24 @@ def reference(case: RingCase):
     return o.detach(), q.grad, k.grad, v.grad
 
 
+GATHERED = ("o", "dq", "dk", "dv")
+
+
 def gather(results, case: RingCase, what: str = "o") -> torch.Tensor:
     """One field of every rank's :class:`CaseResult`, put back in sequence order.
 
-    ``what``: ``"o"``, ``"dq"``, ``"dk"`` or ``"dv"``.
+    ``what``: one of :data:`GATHERED`. A rank that failed raises a RuntimeError with its error.
     """
+    if what not in GATHERED:
+        raise ValueError(f"what must be one of {GATHERED}, got {what!r}")
+    ranks = results[:case.world]
+    failed = [(r, res.error) for r, res in enumerate(ranks) if res is None or res.error is not None]
+    if failed:
+        raise RuntimeError("the case did not run on every rank: " + "; ".join(
+            f"rank {r}: {error or 'no result'}" for r, error in failed))
+    if what != "o" and ranks[0].grads is None:
+        raise ValueError(f"{what!r} needs gradients: this case ran with backward=False")
     pick = {"o": lambda r: r.o, "dq": lambda r: r.grads[0], "dk": lambda r: r.grads[1],
             "dv": lambda r: r.grads[2]}[what]
-    return unshard([pick(r) for r in results[:case.world]], case.layout)
+    return unshard([pick(r) for r in ranks], case.layout)
+

@@ -111,7 +111,7 @@ def loop(q_shards, k_shards, v_shards, causal, layout, attend, *, body):
     chunks = ring.rank_chunks(world, layout)
     lengths = ring.shard_chunk_lengths([q.shape[-2] for q in q_shards], layout)
     o = [torch.zeros_like(q) for q in q_shards]
-    lse = [torch.full(q.shape[:-1], -math.inf, dtype=q.dtype) for q in q_shards]
+    lse = [torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device) for q in q_shards]
     held = [list(k_shards), list(v_shards)]
     for step in range(world):
         body(step, world, chunks, lengths, q_shards, held, o, lse, causal, attend)
@@ -214,3 +214,60 @@ def test_hint_ladder_and_skeleton():
     assert ladder.next_hint() == ch11.LOOP_HINTS[0] and "(r - step) % world" in ch11.LOOP_HINTS[0]
     assert ladder.show_skeleton() == ch11.LOOP_SKELETON
     assert "ring.block_plan" in ch11.LOOP_SKELETON and "merge_partials" in ch11.LOOP_SKELETON
+
+
+# ---------------------------------------------------------------- device: the GPU path, emulated on CPU
+
+def _exercise_frame(name: str):
+    """The notebook's exercise 11.2 cell (solutions/), run as the notebook runs it."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parent.parent / "solutions" / "11_ring_attention.ipynb").read_text())
+    source = next(c["source"] for c in nb["cells"] if c["source"].startswith("# Exercise 11.2"))
+    namespace = {"math": math, "torch": torch, "ring": ring, "merge_partials": ring.merge_partials}
+    exec(compile(source, "exercise 11.2", "exec"), namespace)  # noqa: S102 - the notebook's own cell
+    return namespace[name]
+
+
+def _meta_attend(q, k, v, causal):
+    """A block's (o, lse) on the queries' device: as the GPU kernel returns them, on meta tensors."""
+    from course_lib.reference import naive_attention_torch
+
+    return naive_attention_torch(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("loop", ["library", "notebook"])
+def test_simulated_ring_keeps_its_state_on_the_shards_device(loop):
+    """On a GPU the blocks come from the GPU kernel; a running (o, lse) left on the CPU made the
+    merge fail ("Expected all tensors to be on the same device"). Meta tensors stand in for CUDA
+    ones here: any CPU tensor mixed in raises the same way."""
+    fn = ch11.ring_reference if loop == "library" else _exercise_frame("ring_forward_sim")
+    q, k, v = ([x.to("meta") for x in shards] for shards in ch11._shards(0, (4, 4, 4), "zigzag"))
+    o, lse = fn(q, k, v, True, "zigzag", _meta_attend)
+    assert all(x.device.type == "meta" for x in (*o, *lse))
+    assert [tuple(x.shape) for x in o] == [tuple(x.shape) for x in q]
+
+
+def test_a_cpu_state_beside_device_blocks_is_what_failed():
+    """The check above can fail: the old frame (lse on the CPU) raises on meta blocks."""
+    q = torch.zeros(1, 2, 4, 16, device="meta")
+    with pytest.raises(RuntimeError, match="device"):
+        ring.merge_partials(torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf), q, q[..., 0])
+
+
+@pytest.mark.gpu
+def test_simulated_ring_with_the_gpu_kernel_gpu():
+    """The notebook's cell after exercise 11.2, on the GPU: three simulated ranks with the course's
+    kernel as attend, against float64 SDPA."""
+    import course_lib
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 48, 32, generator=gen).cuda() for _ in range(3))
+    shards = [[ring.shard(x, r, 3, "zigzag") for r in range(3)] for x in (q, k, v)]
+    for fn in (ch11.ring_reference, _exercise_frame("ring_forward_sim")):
+        o_shards, _ = fn(*shards, True, "zigzag", course_lib.flash_attention_with_lse)
+        o = ring.unshard(o_shards, "zigzag")
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+        assert o.is_cuda and (o.double() - exact).abs().max().item() < 1e-5

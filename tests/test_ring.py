@@ -33,6 +33,9 @@ CASES = {
     "w4 zigzag causal again": C((8, 8, 8, 8), causal=True, layout="zigzag", heads=1, seed=3),
     "w4 ragged with a 1-token shard": C((3, 10, 1, 6), causal=True, heads=1, seed=4),
     "w2 float32 causal": C((16, 16), causal=True, dtype="float32", heads=1, seed=5),
+    # the path ranks sharing a GPU take (gloo, every message copied through host memory), forced
+    "w3 zigzag causal, host staging": C((6, 6, 6), causal=True, layout="zigzag", heads=1,
+                                        host_staging=True),
     "zigzag unequal shards": C((4, 6), causal=True, layout="zigzag", backward=False),
     "dtype differs": C((8, 8), skew="dtype", backward=False),
     "head dim differs": C((8, 8, 8), skew="d", backward=False),
@@ -43,7 +46,8 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-5}
 
 @pytest.fixture(scope="module")
 def results():
-    return dict(zip(CASES, ring.run_cases(CASES.values())))
+    # device="cpu": gloo ranks in the interpreter, also in a GPU session (float64 needs it)
+    return dict(zip(CASES, ring.run_cases(CASES.values(), device="cpu")))
 
 
 # ---------------------------------------------------------------- the rings, in processes
@@ -71,6 +75,23 @@ def test_lse_matches_logsumexp_of_the_scores(results):
     s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
     lse = ring.unshard_rows([r.lse for r in results["w3 ragged causal"][:3]], "contiguous", dim=-1)
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=0, atol=1e-12)
+
+
+def test_host_staging_gives_the_same_bits(results):
+    """Copying every message through host memory changes where bytes travel, not one bit."""
+    staged, direct = results["w3 zigzag causal, host staging"], results["w3 zigzag causal"]
+    assert staged[3] is None and direct[3] is None  # the fourth rank sat both out
+    for a, b in zip(staged[:3], direct[:3]):
+        assert torch.equal(a.o, b.o) and all(torch.equal(x, y) for x, y in zip(a.grads, b.grads))
+        assert [t["bytes_sent"] for t in a.trace] == [t["bytes_sent"] for t in b.trace]
+
+
+def test_gather_names_the_ranks_that_failed(results):
+    with pytest.raises(RuntimeError, match=r"did not run on every rank: rank 0: ValueError: ranks "
+                                           r"disagree on dtype"):
+        ring.gather(results["dtype differs"], CASES["dtype differs"])
+    with pytest.raises(ValueError, match="what must be one of"):
+        ring.gather(results["w3 ragged"], CASES["w3 ragged"], "do")
 
 
 def test_two_runs_are_bitwise_equal(results):
@@ -125,6 +146,34 @@ def test_every_rank_raises_the_same_named_error(results, name, message):
 
 # ---------------------------------------------------------------- one process
 
+# ---------------------------------------------------------------- where the ranks run
+
+def test_launch_plan_puts_ranks_where_they_can_talk():
+    """CPU: gloo. GPUs: NCCL with a GPU per rank; fewer GPUs than ranks share them over gloo,
+    staged through host memory (NCCL refuses two ranks on one device)."""
+    cpu = ring.launch_plan(3, "cpu")
+    assert (cpu.backend, cpu.devices, cpu.host_staging) == ("gloo", ("cpu",) * 3, False)
+    one_gpu = ring.launch_plan(3, "cuda", gpus=1)
+    assert (one_gpu.backend, one_gpu.devices, one_gpu.host_staging) == ("gloo", ("cuda:0",) * 3, True)
+    assert "sharing cuda:0, gloo" in one_gpu.describe()
+    assert ring.launch_plan(3, "cuda", gpus=2).devices == ("cuda:0", "cuda:1", "cuda:0")
+    four = ring.launch_plan(2, "cuda", gpus=4)
+    assert (four.backend, four.devices, four.host_staging) == ("nccl", ("cuda:0", "cuda:1"), False)
+    assert four.describe() == "2 processes, NCCL, one GPU each (cuda:0, cuda:1)"
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: ring.launch_plan(2, "tpu"), ValueError, "device must be 'cpu' or 'cuda', got 'tpu'"),
+    (lambda: ring.launch_plan(2, "cuda", gpus=0), ValueError, "needs at least one GPU, got gpus = 0"),
+    (lambda: ring.launch_plan(0, "cpu"), ValueError, "world must be a positive int"),
+    (lambda: ring.run_ranks(print, 2, backend="nccl", device="cpu"), ValueError,
+     r"backend 'nccl' cannot run 2 ranks here: 2 processes on the CPU, gloo"),
+])
+def test_launch_errors_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
 def test_group_of_one_and_no_group(tmp_path):
     q = torch.randn(1, 1, 8, 16, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
@@ -136,6 +185,11 @@ def test_group_of_one_and_no_group(tmp_path):
     try:
         with pytest.raises(ValueError, match="group has world size 1: ring attention needs at least 2"):
             ring.ring_attention(q, q, q)
+        # the staging rule, asked of a gloo group: GPU tensors go through host memory
+        assert ring._host_staging(None, torch.device("cuda"), None) is True
+        assert ring._host_staging(None, torch.device("cpu"), None) is False
+        with pytest.raises(TypeError, match="host_staging must be True, False or None, got 'yes'"):
+            ring._host_staging(None, torch.device("cpu"), "yes")
     finally:
         dist.destroy_process_group()
 
@@ -245,3 +299,69 @@ def test_hide_threshold_and_flops():
     compute = ring.step_flops(1, 1, int(n), 128) / 1e15
     transfer = ring.step_bytes(1, 1, int(n), 128, 2)["kv"] / 5e11
     assert compute == pytest.approx(transfer)
+
+
+def test_the_chapters_hide_thresholds_are_the_ones_it_prints():
+    """The summary quotes the thresholds that cell 7 prints (1,099 and 9,894 tokens), rounded."""
+    import json
+    from pathlib import Path
+
+    from course_lib import hardware
+
+    flops = hardware.get_gpu("H100 SXM").peak_flops("bfloat16") / 2  # cell 7: half the bf16 peak
+    nb = json.loads((Path(__file__).resolve().parent.parent / "solutions" / "11_ring_attention.ipynb").read_text())
+    summary = " ".join(next(c["source"] for c in nb["cells"] if c["source"].startswith("## Summary")).split())
+    nvlink, nodes = (round(ring.hide_threshold(flops, bw), -2)
+                     for bw in (ring.NVLINK_H100_BYTES_PER_S, ring.INFINIBAND_NDR_BYTES_PER_S))
+    assert (nvlink, nodes) == (1100, 9900)
+    assert f"about {nvlink:,.0f} on NVLink and {nodes:,.0f} across nodes" in summary
+
+
+# ---------------------------------------------------------------- on GPUs (the lead's H100 run)
+
+GPU_CASES = [C((8, 8, 8), causal=True, layout="zigzag", heads=1, dtype="float32", label="w3 zigzag"),
+             C((8, 8, 8), causal=True, layout="zigzag", heads=1, dtype="float32", label="again"),
+             C((5, 9, 3), causal=True, heads=2, dtype="float32", seed=2, label="w3 ragged"),
+             C((16, 16), dtype="float32", seed=3, label="w2 full")]
+
+
+@pytest.mark.gpu
+def test_rings_on_the_gpu_match_sdpa_gpu():
+    """The notebook's ring on a GPU machine: ranks where ring.launch_plan puts them (one GPU: three
+    ranks share it through gloo; several: NCCL), float32, against float64 SDPA; a rerun gives the
+    same bits; the trace's times come from CUDA events."""
+    from course_lib.checks import TOLERANCES
+
+    print(ring.launch_plan(3).describe())
+    results = ring.run_cases(GPU_CASES)
+    atol, rtol = TOLERANCES["float32"]
+    for case, got in zip(GPU_CASES, results):
+        want = dict(zip(ring.GATHERED, ring.reference(case)))
+        for what, ref in want.items():
+            out = ring.gather(got, case, what).double()
+            assert torch.allclose(out, ref, rtol=rtol, atol=atol), (case.label, what,
+                                                                    (out - ref).abs().max().item())
+        for rank, result in enumerate(got[:case.world]):
+            assert len(result.trace) == 2 * case.world
+            assert all(t["compute_s"] >= 0 and t["wait_s"] >= 0 for t in result.trace)
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a.o, b.o) and torch.equal(a.grads[1], b.grads[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_ring_matches_the_one_gpu_kernel_gpu(causal):
+    """bf16, d = 128 (the Gluon kernels' head dim on Hopper; the ring's square blocks take them,
+    its rectangles Triton's): gathered output and gradients against course_lib.flash_attention on
+    the whole sequence, max |Δ| / max |ref| under 2%, as the multi-GPU probe measured (≤ 0.7%)."""
+    import course_lib
+
+    case = C((1024, 1024), causal=causal, layout="zigzag", d=128, heads=2, dtype="bfloat16", seed=7)
+    results = ring.run_cases([case])[0]
+    q, k, v, do = (x.cuda().requires_grad_(i < 3) for i, x in enumerate(case.inputs()))
+    o = course_lib.flash_attention(q, k, v, causal)
+    want = dict(zip(ring.GATHERED, (o, *torch.autograd.grad(o, (q, k, v), do))))
+    for what, ref in want.items():
+        out = ring.gather(results, case, what).float()
+        ref = ref.detach().float().cpu()
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2, what

@@ -29,6 +29,15 @@ from course_lib.widgets._display import (PANEL_TITLE_FONTSIZE, SMALL_FONTSIZE, F
 TOKENS_PER_RANK = 4  # two zig-zag chunks of 2: small enough to see every pair on the grid
 MAX_WORLD = 8
 HIDDEN, NOT_YET = -2, -1  # grid codes; 0 … W-1: computed at that step
+NOT_YET_GREY = "0.85"  # pairs of later steps
+# One colour per rank: tab10 without its grey (index 7), which would read as "a later step".
+RANK_COLOURS = tuple(i for i in range(10) if i != 7)
+EARLIER_ALPHA = 0.35  # pairs computed at earlier steps: the rank's colour, light
+RING_RADIUS = 1.0  # the ranks sit on this circle (data units of the right panel)
+RANK_MARKER_SIZE = 900  # points²: a circle 30 points across
+LABEL_OFFSET_POINTS = 24  # a rank's label starts this far from its centre, outwards: off the circle
+ARROW_RADIUS = 0.8  # the arrows between neighbours, inside the ring of ranks
+ARROW_LABEL_RADIUS = 0.45  # their labels: inside the arrows' arcs, half-way between two ranks
 
 
 class RingStepper(FigureWidget):
@@ -168,8 +177,24 @@ class RingStepper(FigureWidget):
 
     # -- drawing -------------------------------------------------------------------------------
 
+    def idle(self) -> list[bool]:
+        """Which ranks computed nothing at the step just done (the causal mask hid the block)."""
+        if self.steps_done == 0:
+            return [False] * self.world
+        step = self.steps_done - 1
+        chunks = ring.rank_chunks(self.world, self.layout)
+        lengths = ring.shard_chunk_lengths([TOKENS_PER_RANK] * self.world, self.layout)
+        return [ring.block_plan(chunks[r], chunks[src], self.causal, lengths[r], lengths[src]) is None
+                for r, src in enumerate(self.held(step))]
+
+    def step_title(self) -> str:
+        """The steps done, numbered from 0 as in the chapter's table of who holds what."""
+        if self.steps_done == 0:
+            return f"Before step 0 (steps 0 to {self.world - 1})"
+        return f"Step {self.steps_done - 1} done (steps 0 to {self.world - 1})"
+
     def _status_text(self) -> str:
-        head = (f"<b>Step {self.steps_done} of {self.world}</b> — {self.world} ranks, "
+        head = (f"<b>{self.step_title()}</b> — {self.world} ranks, "
                 f"{self.layout} shards of {TOKENS_PER_RANK} tokens, "
                 f"{'causal' if self.causal else 'no mask'}")
         rows = "".join(
@@ -185,7 +210,11 @@ class RingStepper(FigureWidget):
 
         self.next_button.disabled = self.done
         self.status.value = self._status_text()
-        colours = matplotlib.colormaps["tab10"]
+        tab10 = matplotlib.colormaps["tab10"]
+
+        def colours(r):
+            return tab10(RANK_COLOURS[r % len(RANK_COLOURS)])
+
         grid = self._grid()
         image = np.ones((self.n, self.n, 4))
         for r in range(self.world):
@@ -195,10 +224,10 @@ class RingStepper(FigureWidget):
                     if s == HIDDEN:
                         continue
                     if s >= self.steps_done:
-                        image[row, col] = to_rgba("0.85")
+                        image[row, col] = to_rgba(NOT_YET_GREY)
                     else:
-                        alpha = 1.0 if s == self.steps_done - 1 else 0.35
-                        image[row, col] = to_rgba(colours(r % 10), alpha)
+                        alpha = 1.0 if s == self.steps_done - 1 else EARLIER_ALPHA
+                        image[row, col] = to_rgba(colours(r), alpha)
         ax = self.ax_grid
         ax.clear()
         ax.imshow(image, interpolation="nearest")
@@ -209,24 +238,36 @@ class RingStepper(FigureWidget):
         ax = self.ax_ring
         ax.clear()
         angles = np.pi / 2 - 2 * np.pi * np.arange(self.world) / self.world
-        xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+        xy = RING_RADIUS * np.stack([np.cos(angles), np.sin(angles)], axis=1)
         chunks = ring.rank_chunks(self.world, self.layout)
         held = self.held() if self.steps_done else [None] * self.world
+        idle = self.idle()
         for src, dst, shard in self.in_flight():
-            start, end = xy[src] * 0.8, xy[dst] * 0.8
+            start, end = xy[src] * ARROW_RADIUS, xy[dst] * ARROW_RADIUS
             ax.annotate("", xy=end, xytext=start,
                         arrowprops=dict(arrowstyle="->", color="0.3", connectionstyle="arc3,rad=-0.25"))
-            mid = (start + end) / 2 * 1.25
-            ax.text(*mid, f"K/V {shard}", ha="center", va="center", fontsize=SMALL_FONTSIZE)
+            between = angles[src] - np.pi / self.world  # half-way to the next rank, clockwise
+            ax.text(*(ARROW_LABEL_RADIUS * np.array([np.cos(between), np.sin(between)])),
+                    f"K/V {shard}", ha="center", va="center", fontsize=SMALL_FONTSIZE,
+                    gid="in flight")
         for r in range(self.world):
-            ax.scatter(*xy[r], s=900, color=colours(r % 10), alpha=0.8)
+            ax.scatter(*xy[r], s=RANK_MARKER_SIZE, color=colours(r), alpha=0.8, gid=f"rank {r}")
             ax.text(*xy[r], str(r), ha="center", va="center", fontsize=10, color="white",
                     weight="bold")
-            used = "—" if held[r] is None else f"K/V {held[r]}"
-            ax.text(*(xy[r] * 1.42), f"chunks {', '.join(map(str, chunks[r]))}\nused {used}",
-                    ha="center", va="center", fontsize=SMALL_FONTSIZE)
-        ax.set_xlim(-1.9, 1.9)
-        ax.set_ylim(-1.75, 1.75)
+            if held[r] is None:
+                used = "—"
+            elif idle[r]:
+                used = f"holds K/V {held[r]}, idle (masked)"
+            else:
+                used = f"used K/V {held[r]}"
+            direction = np.array([np.cos(angles[r]), np.sin(angles[r])])
+            ha = "center" if abs(direction[0]) < 0.3 else ("left" if direction[0] > 0 else "right")
+            va = "center" if abs(direction[1]) < 0.3 else ("bottom" if direction[1] > 0 else "top")
+            ax.annotate(f"chunks {', '.join(map(str, chunks[r]))}\n{used}", xy[r],
+                        xytext=tuple(direction * LABEL_OFFSET_POINTS), textcoords="offset points",
+                        ha=ha, va=va, fontsize=SMALL_FONTSIZE, gid=f"label {r}")
+        ax.set_xlim(-2.0, 2.0)
+        ax.set_ylim(-1.6, 1.6)
         ax.set_aspect("equal")
         ax.axis("off")
         ax.set_title("the ring: shards held and K/V in flight", fontsize=PANEL_TITLE_FONTSIZE)
