@@ -25,6 +25,8 @@ pytestmark = pytest.mark.ch00
 # Colab's published image (2026-08, FACTS.md): what its runtime has before the course installs.
 COLAB_IMAGE = {"torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.1.3", "matplotlib": "3.10.0",
                "ipywidgets": "7.7.1", "tqdm": "4.67.1"}
+# The same image once chapter 12's transformers is there (its version on Colab is not recorded).
+COLAB_WITH_HF = {**COLAB_IMAGE, "transformers": "5.23.0"}
 
 
 @pytest.fixture
@@ -45,8 +47,11 @@ def test_colab_is_detected_by_its_module(monkeypatch):
     assert colab.on_colab()
 
 
-def test_colabs_image_needs_nothing_installed():
-    assert colab.requirements_to_install(COLAB_IMAGE) == []
+def test_colabs_image_needs_only_transformers_for_chapter_12():
+    # FACTS.md records no transformers version for Colab's image: the installer asks for the
+    # course's floor (chapter 12), and nothing else.
+    assert colab.requirements_to_install(COLAB_IMAGE) == [f"transformers>={versions.MINIMUM['transformers']}"]
+    assert colab.requirements_to_install(COLAB_WITH_HF) == []
 
 
 @pytest.mark.parametrize("changes, wanted", [
@@ -60,7 +65,7 @@ def test_colabs_image_needs_nothing_installed():
     ({"torch": "2.0.0", "triton": "2.0.0"}, []),                         # numpy 2.1.3 is < 2.4 already
 ])
 def test_only_what_is_missing_or_out_of_range_is_installed(changes, wanted):
-    got = colab.requirements_to_install({**COLAB_IMAGE, **changes})
+    got = colab.requirements_to_install({**COLAB_WITH_HF, **changes})
     assert got == wanted
     assert not any(Requirement(r).name in colab.KEPT for r in got)
 
@@ -103,7 +108,7 @@ def test_versions_script_prints_the_oldest_pins():
 # -- install() and its one line ---------------------------------------------------------------
 
 def test_install_runs_pip_for_the_missing_only_and_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(colab, "installed_versions", lambda: {**COLAB_IMAGE, "numpy": "2.4.1"})
+    monkeypatch.setattr(colab, "installed_versions", lambda: {**COLAB_WITH_HF, "numpy": "2.4.1"})
     commands = []
     assert colab.install(run=commands.append) == ["numpy>=2.0,<2.4"]
     assert commands == [[sys.executable, "-m", "pip", "install", "--quiet", "numpy>=2.0,<2.4"]]
@@ -114,7 +119,7 @@ def test_install_runs_pip_for_the_missing_only_and_says_so(monkeypatch, capsys):
 
 
 def test_install_with_nothing_missing_runs_no_pip(monkeypatch, capsys):
-    monkeypatch.setattr(colab, "installed_versions", lambda: dict(COLAB_IMAGE))
+    monkeypatch.setattr(colab, "installed_versions", lambda: dict(COLAB_WITH_HF))
     commands = []
     assert colab.install(run=commands.append) == [] and commands == []
     assert "nothing else was missing" in capsys.readouterr().out
