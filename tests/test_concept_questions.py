@@ -144,11 +144,15 @@ def test_ch11_numbers():
     assert numeric("11", "tokens per rank").answer == pytest.approx((989.4e12 / 2) / 450e9)
 
 
+def test_ch12_numbers():
+    assert numeric("12", "materialises").answer == 16 * 16384**2 * 2 / 2**30
+
+
 @pytest.mark.parametrize("chapter", chapter_params())
 def test_every_numeric_answer_is_checked_here(chapter):
     """A new numeric question needs its own independent computation above."""
     checked = {"01": 3, "02": 2, "03": 1, "04": 2, "05": 1, "06": 2, "07": 2, "08": 2, "09": 2, "10": 2,
-               "11": 2}
+               "11": 2, "12": 1}
     count = sum(isinstance(q, Numeric) for q in concept_questions.questions(chapter))
     assert count == checked[chapter], (f"chapter {chapter} has {count} numeric questions; "
                                        f"{checked[chapter]} are recomputed in this file")

@@ -1,0 +1,421 @@
+"""Chapter 12 checks: right answers pass (also in other styles), a stub is "not done yet" and hands
+back the library's version, every modelled mistake is named on its own output, wrong answers
+written as a learner writes them are rejected with the right cause; and the model bench's
+recorded-results reader, its training helpers and its tool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import course_lib
+from corpus_checks import assert_cause, assert_rejected, one
+from course_lib import model_bench, tinylm
+from course_lib.checks import ExerciseFailed
+from course_lib.exercises import ch12
+from course_lib.kernels import teaching
+
+pytestmark = pytest.mark.ch12
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 12.1: the adapter
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError("Exercise 12.1")
+
+
+def test_library_adapter_passes_and_stub_falls_back(capsys):
+    library = ch12.library_adapter()
+    assert ch12.check_adapter(library) is library
+    assert ch12.check_adapter(_stub) is library
+    out = capsys.readouterr().out
+    assert "✓ Exercise 12.1: passed (6 cases; the padded batch was refused by name" in out
+    assert "not done yet" in out
+
+
+def _refusing(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The notebook's answer: the library kernel, GQA by shape, padding refused."""
+    if attention_mask is not None:
+        raise ValueError("no attention_mask: padded batches are not supported")
+    out = course_lib.flash_attention(query, key, value, causal=query.shape[2] > 1, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _sdpa_with_mask(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Right in another style: SDPA with enable_gqa, the padding mask honoured, permute."""
+    n_q, n_k = query.shape[2], key.shape[2]
+    visible = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+    if attention_mask is not None:
+        visible = visible & attention_mask
+        visible = visible | ~visible.any(-1, keepdim=True)  # rows of padding: anything finite
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                         enable_gqa=True)
+    return out.permute(0, 2, 1, 3), None
+
+
+def _repeat_kv_style(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """Right in transformers' own style: repeat_kv by expand + reshape, NotImplementedError."""
+    if attention_mask is not None:
+        raise NotImplementedError("padding")
+    b, h_kv, n, d = key.shape
+    group = module.num_key_value_groups
+    key, value = (x[:, :, None].expand(b, h_kv, group, n, d).reshape(b, h_kv * group, n, d)
+                  for x in (key, value))
+    causal = query.shape[2] == key.shape[2]
+    out = course_lib.flash_attention(query, key, value, causal=causal,
+                                     scale=scaling if scaling is not None else d ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("answer", [_refusing, _sdpa_with_mask, _repeat_kv_style])
+def test_right_adapters_in_other_styles_pass(answer, capsys):
+    assert ch12.check_adapter(answer) is answer
+    out = capsys.readouterr().out
+    assert "✓ Exercise 12.1: passed (6 cases" in out
+    if answer is _sdpa_with_mask:
+        assert "computed right (the mask was honoured)" in out
+    else:
+        assert "refused by name" in out
+
+
+@pytest.mark.parametrize("cause", list(ch12.ADAPTER_MISTAKES))
+def test_each_adapter_mistake_is_named_on_its_own_output(cause):
+    model = ch12.ADAPTER_MISTAKES[cause]
+    with pytest.raises(ExerciseFailed) as info:
+        ch12.check_adapter(lambda *args, **kwargs: model(*args, **kwargs))
+    assert_cause(str(info.value), ch12.ADAPTER_MISTAKES, cause)
+
+
+def test_an_ignored_mask_is_named():
+    model = ch12._adapter_model(use_mask=False)
+    message = assert_rejected(ch12.check_adapter, lambda *a, **k: model(*a, **k), ch12.MASK_IGNORED)
+    assert "padded batch" in message
+
+
+def _library_with(*, causal=None, reshape=False, tile=False, scale=True, pair=True):
+    """The library kernel as a learner calls it, with one slip each."""
+    def adapter(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if tile:
+            group = query.shape[1] // key.shape[1]
+            key, value = (x.repeat(1, group, 1, 1) for x in (key, value))
+        is_causal = query.shape[2] > 1 if causal is None else causal
+        o = course_lib.flash_attention(query, key, value, causal=is_causal,
+                                       scale=scaling if scale else None)  # (B, H, N, d)
+        b, h, n, d = o.shape
+        out = o.reshape(b, n, h, d) if reshape else o.transpose(1, 2)
+        return (out, None) if pair else out
+    return adapter
+
+
+def _adapter_corpus():
+    c = ch12.ADAPTER_MISTAKES
+    return [
+        (_library_with(causal=True), one(c, "the causal mask is aligned to the top-left")),
+        (_library_with(causal=False), one(c, "the attention is not causal")),
+        (_library_with(reshape=True), one(c, "the output is reshaped")),
+        (_library_with(tile=True), one(c, "the K/V heads are repeated in the wrong order")),
+        (_library_with(scale=False), one(c, "`scaling` is ignored")),
+        (_library_with(pair=False), one(c, "the adapter returns the output alone")),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_adapter_corpus())))
+def test_wrong_adapters_are_rejected_with_their_cause(i):
+    answer, cause = _adapter_corpus()[i]
+    message = assert_rejected(ch12.check_adapter, answer, cause)
+    assert message.startswith("✗ Exercise 12.1"), message
+    assert_cause(message, ch12.ADAPTER_MISTAKES, cause)
+
+
+def test_an_adapter_that_crashes_on_the_padded_batch_is_not_a_refusal():
+    """A TypeError from a bug is not a refusal by name: the check reports the crash."""
+    def crashes_on_masks(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if attention_mask is not None:
+            attention_mask.reshape(-1, 7)  # a shape bug
+        return _refusing(module, query, key, value, None, scaling)
+    with pytest.raises(ExerciseFailed, match="raised"):
+        ch12.check_adapter(crashes_on_masks)
+
+
+def test_left_padding_mask_hides_the_padding_and_the_future():
+    mask = ch12._left_padding_mask([3, 2], 3, "cpu")  # (B, 1, N, N)
+    assert mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert mask[1, 0].tolist() == [[False, False, False], [False, True, False], [False, True, True]]
+    assert ch12._real_rows(mask, 2, 3, "cpu").tolist() == [[True] * 3, [False, True, True]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 12.2: a kernel as a custom op
+
+OP_NAME = "ch12_tests::attention"
+
+
+def _fake_right(q, k, v, causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+FAKES = {
+    "empty_like": lambda q, k, v, c, s: (torch.empty_like(q),
+                                         q.new_empty(q.shape[:-1], dtype=torch.float32)),
+    "lse_dtype": lambda q, k, v, c, s: (q.new_empty(q.shape), q.new_empty(q.shape[:-1])),
+    "k_shape": lambda q, k, v, c, s: (k.new_empty(k.shape),
+                                      q.new_empty(q.shape[:-1], dtype=torch.float32)),
+    "lse_shape": lambda q, k, v, c, s: (q.new_empty(q.shape),
+                                        q.new_empty(q.shape, dtype=torch.float32)),
+    "alias": lambda q, k, v, c, s: (q, q.new_empty(q.shape[:-1], dtype=torch.float32)),
+    "runs_kernel": lambda q, k, v, c, s: teaching.forward(q, k, v, c, s),
+}
+
+
+def _factory(fake=_fake_right, mutate=False, plain=False, outputs="pair"):
+    """make_attention_op as a learner writes it, with one slip switched on."""
+    def make_attention_op():
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            if mutate:  # pre-scaling q in place "to save memory"
+                q.mul_(scale)
+                scale = 1.0
+            o, lse = teaching.forward(q, k, v, causal, scale)
+            return (lse, o) if outputs == "swapped" else (o, lse)
+
+        def o_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> torch.Tensor:
+            return teaching.forward(q, k, v, causal, scale)[0]
+
+        body = o_only if outputs == "o" else attention
+        if plain:
+            return body
+        op = torch.library.custom_op(OP_NAME, mutates_args=())(body)
+        if fake is not None:
+            op.register_fake((lambda q, k, v, c, s: fake(q, k, v, c, s)[0]) if outputs == "o"
+                             else (lambda q, k, v, c, s: fake(q, k, v, c, s)[::-1]) if
+                             outputs == "swapped" else fake)
+        return op
+    return make_attention_op
+
+
+def _schema_style():
+    """Right in another style: an explicit schema string, a fake registered by the op's name."""
+    def make_attention_op():
+        op = torch.library.custom_op(
+            OP_NAME, lambda q, k, v, causal, scale: teaching.forward(q, k, v, causal, scale),
+            mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> "
+                                    "(Tensor, Tensor)")
+        torch.library.register_fake(OP_NAME, lambda q, k, v, causal, scale: (
+            torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)))
+        return op
+    return make_attention_op
+
+
+def _stub_factory():
+    raise NotImplementedError("Exercise 12.2")
+
+
+def test_stub_factory_falls_back_to_the_library(capsys):
+    assert ch12.check_custom_op(_stub_factory) is ch12.library_attention_op
+    assert "Exercise 12.2: not done yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("factory", [_factory(), _schema_style()], ids=["decorators", "schema"])
+def test_right_ops_pass_with_one_graph(factory, capsys):
+    assert ch12.check_custom_op(factory) is factory
+    out = capsys.readouterr().out
+    assert "✓ Exercise 12.2: passed (3 cases" in out and "1 graph, 0 graph breaks" in out, out
+
+
+def test_the_library_op_is_right():
+    op = ch12.library_attention_op()
+    report = ch12.opcheck_report(op, tuple(ch12._op_cases()[1].args))
+    assert set(report.values()) == {"SUCCESS"}, report
+    for case in ch12._op_cases():
+        got, want = op(*case.args), ch12.attention_op_reference(*case.args)
+        atol = 1e-2 if case.args[0].dtype == torch.float16 else 1e-4
+        assert all(torch.allclose(g.float(), w.float(), atol=atol) for g, w in zip(got, want))
+
+
+OPCHECK_EXPECTED = [
+    (dict(fake=None), "no fake implementation registered"),
+    (dict(fake=FAKES["empty_like"]), "has strides"),
+    (dict(fake=FAKES["lse_dtype"]), "the fake's lse (output 1) has dtype torch.float16"),
+    (dict(fake=FAKES["k_shape"]), "the fake's o (output 0) has shape torch.Size([2, 2, 33, 32])"),
+    (dict(fake=FAKES["lse_shape"]), "the fake's lse (output 1) has shape"),
+    (dict(fake=FAKES["alias"]), "the fake returns an input"),
+    (dict(fake=FAKES["runs_kernel"]), "the fake runs the kernel"),
+    (dict(mutate=True), "the op changed an input in place (`q`)"),
+]
+
+
+@pytest.mark.parametrize("slip, words", OPCHECK_EXPECTED,
+                         ids=[w.split(":")[0][:30] for _, w in OPCHECK_EXPECTED])
+def test_each_op_mistake_is_named_from_opcheck(slip, words):
+    with pytest.raises(ExerciseFailed) as info:
+        ch12.check_custom_op(_factory(**slip))
+    message = str(info.value)
+    assert message.startswith("✗ Exercise 12.2: torch.library.opcheck fails on case"), message
+    assert words in message, message
+    assert "Traceback" not in message and "scroll up" not in message
+
+
+def test_a_plain_function_is_not_an_op():
+    message = assert_rejected(ch12.check_custom_op, _factory(plain=True), None)
+    assert "not a torch.library custom op" in message and "custom_op(" in message
+
+
+@pytest.mark.parametrize("outputs, start", [("o", "the op returns o only"),
+                                            ("swapped", "the outputs are swapped")])
+def test_wrong_outputs_are_named(outputs, start):
+    cause = one(ch12.OP_OUTPUT_MISTAKES, start)
+    message = assert_rejected(ch12.check_custom_op, _factory(outputs=outputs), cause)
+    assert_cause(message, ch12.OP_OUTPUT_MISTAKES, cause)
+
+
+def test_missing_annotations_are_a_crash_with_the_learners_line():
+    def make_attention_op():
+        @torch.library.custom_op(OP_NAME, mutates_args=())
+        def attention(q, k, v, causal, scale):
+            return teaching.forward(q, k, v, causal, scale)
+        return attention
+    with pytest.raises(ExerciseFailed, match="annotation"):
+        ch12.check_custom_op(make_attention_op)
+
+
+def test_an_unknown_opcheck_failure_is_quoted_not_guessed():
+    assert ch12.opcheck_diagnosis("opcheck(op, ...): test_x failed with something new\nmore") == \
+        "torch.library.opcheck failed: opcheck(op, ...): test_x failed with something new"
+
+
+def test_graph_report_counts_a_break():
+    def broken(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+    graphs, breaks, reasons = ch12.graph_report(broken, torch.ones(3))
+    assert (graphs, breaks) == (2, 1) and reasons
+
+
+# ----------------------------------------------------------------------------------------------
+# The model bench
+
+
+def test_training_text_is_the_course_text_and_the_zen(capsys):
+    text = model_bench.training_text()
+    assert text.startswith(tinylm.TEXT) and "Beautiful is better than ugly." in text
+    assert capsys.readouterr().out == ""  # importing `this` prints the Zen: swallowed
+
+
+def test_llama_config_and_its_errors():
+    config = model_bench.llama_config(50, model_bench.CPU_SIZE)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.attention_dropout == 0.0
+    bad = model_bench.LlamaSize(layers=1, hidden=48, heads=3, kv_heads=2, head_dim=16, context=8,
+                                batch=1, steps=1)
+    with pytest.raises(ValueError, match="heads .3. must be a multiple of kv_heads .2."):
+        model_bench.llama_config(50, bad)
+
+
+def test_generate_refuses_more_than_the_context():
+    data = tinylm.CharDataset(model_bench.training_text())
+    size = model_bench.CPU_SIZE
+    model = model_bench.build_llama(model_bench.llama_config(data.vocab_size, size), "sdpa")
+    with pytest.raises(ValueError, match="exceed the model's context of 32 positions"):
+        model_bench.generate_text(model, data, "Attention ", size.context)
+    text = model_bench.generate_text(model, data, "Attention ", 4)
+    assert text.startswith("Attention ") and len(text) == len("Attention ") + 4
+
+
+def test_training_with_sdpa_lowers_the_loss():
+    data = tinylm.CharDataset(model_bench.training_text())
+    size = model_bench.LlamaSize(**{**model_bench.size_dict(model_bench.CPU_SIZE), "steps": 8})
+    model = model_bench.build_llama(model_bench.llama_config(data.vocab_size, size), "sdpa")
+    losses = model_bench.train(model, data, size, seed=0, compile=False)
+    assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+def test_measure_training_refuses_a_cpu_model():
+    data = tinylm.CharDataset(model_bench.training_text())
+    model = model_bench.build_llama(model_bench.llama_config(data.vocab_size,
+                                                             model_bench.CPU_SIZE), "sdpa",
+                                    device="cpu")
+    with pytest.raises(ValueError, match="times GPU training steps; the model is on cpu"):
+        model_bench.measure_training(model, 8, 1, 1, 0, compile=False)
+
+
+def _synthetic(**meta_overrides):
+    """A made-up file in the recorded format (not a measurement): the reader's test input."""
+    meta = {"gpu": "test GPU", "torch": "0", "triton": "0", "transformers": "0",
+            "date": "2000-01-01", "model": "test model", "timer": "test timer", **meta_overrides}
+    rows = [{"impl": "course_compiled", "context": 1024, "batch": 16, "oom": False,
+             "tokens_per_s": 1000.0, "peak_mib": 2048.0},
+            {"impl": "eager", "context": 1024, "batch": 16, "oom": False,
+             "tokens_per_s": 500.0, "peak_mib": 4096.0},
+            {"impl": "eager", "context": 2048, "batch": 8, "oom": True}]
+    return {"meta": meta, "rows": rows}
+
+
+def test_recorded_results_reader(tmp_path):
+    assert model_bench.status(tmp_path / "absent.json") == model_bench.NOT_RECORDED
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(_synthetic()))
+    data = model_bench.recorded(path)
+    assert "test GPU" in model_bench.status(path) and "test timer" in model_bench.status(path)
+    text = model_bench.table(data)
+    assert "out of memory" in text and "1,000" in text and "2.0" in text
+    assert "—" in text  # course_compiled was not run at 2048
+    fig = model_bench.plot(data)
+    assert len(fig.axes) == 2
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("broken, words", [
+    (lambda d: d["meta"].pop("transformers"), "lacks transformers"),
+    (lambda d: d["rows"][0].update(impl="flash"), "must be one of"),
+    (lambda d: d["rows"][0].pop("tokens_per_s"), "positive tokens_per_s"),
+    (lambda d: d.update(rows=[]), "non-empty list"),
+])
+def test_a_malformed_recorded_file_is_refused(broken, words):
+    data = _synthetic()
+    broken(data)
+    with pytest.raises(ValueError, match=words):
+        model_bench.validate(data)
+
+
+def test_a_recorded_file_if_present_is_valid():
+    data = model_bench.recorded()
+    if data is None:
+        pytest.skip("no recorded chapter 12 results yet (tools/bench_model.py on a GPU writes them)")
+    assert {row["impl"] for row in data["rows"]} <= set(model_bench.IMPLS)
+
+
+def test_bench_tool_refuses_to_run_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the tool would run the whole benchmark")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_model.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "this machine has none" in done.stderr
+
+
+@pytest.mark.gpu
+def test_measure_grid_on_a_gpu(tmp_path):
+    """Every implementation trains a step at two short contexts; out of memory is a row."""
+    size = model_bench.LlamaSize(layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                                 context=256, batch=1, steps=2)
+    rows = model_bench.measure_grid((256, 512), size=size, tokens_per_step=1024, steps=2,
+                                    warmup=1, log=lambda line: None)
+    assert len(rows) == 2 * len(model_bench.IMPLS)
+    assert all(not r["oom"] and r["tokens_per_s"] > 0 and r["peak_mib"] > 0 for r in rows)
