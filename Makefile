@@ -89,3 +89,31 @@ $(OLDEST_STAMP): course_lib/versions.py pyproject.toml | check-python
 # -W: an old matplotlib calls pyparsing's deprecated names thousands of times; nothing to act on.
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -m "not slow and not gpu" -W ignore::DeprecationWarning $(OLDEST_SKIP) $(OLDEST_TESTS)
+
+# ---- make test-newest: the newest Triton release ----------------------------------------------
+# course_lib/versions.py's NEWEST_TESTED Triton (3.9.0) goes into $(NEWEST_DIR) and in front of the
+# pinned environment (PYTHONPATH): torch stays the pinned CPU wheel (torch 2.14/2.15 on PyPI are
+# the CUDA builds, GBs). It runs the kernels in Triton's interpreter (forward, backward, API), the
+# Gluon spellings and fall-back (tests/test_compat.py), the Gluon kernels cross-compiled for sm_90,
+# and the library's launches cross-compiled for Blackwell (sm_100, sm_120): 191 tests, 9.9 minutes
+# on a 2-core machine busy with other work (2026-11-27), plus ~10 s to install Triton the first time.
+NEWEST_DIR   ?= $(VENV)/triton-newest
+NEWEST_STAMP := $(NEWEST_DIR)/.installed-stamp
+NEWEST_TESTS := tests/test_kernels_forward.py tests/test_kernels_backward.py tests/test_kernels_api.py \
+                tests/test_compat.py tests/test_gluon_hopper.py tests/test_gluon_backward.py \
+                tests/test_gluon_masked.py tests/test_reach.py::test_blackwell_targets_compile_and_fit \
+                tests/test_reach.py::test_ptx_facts_show_each_generations_tensor_core_instruction
+
+.PHONY: test-newest
+
+$(NEWEST_STAMP): course_lib/versions.py $(STAMP)
+	@echo "Installing $$($(PY) course_lib/versions.py --newest) into $(NEWEST_DIR), in front of $(VENV)"
+	rm -rf $(NEWEST_DIR)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(NEWEST_DIR) \
+	  $$($(PY) course_lib/versions.py --newest)
+	@touch $(NEWEST_STAMP)
+
+# TRITON_DEFAULT_FP_FUSION=1: Triton 3.9 warns that its default will change in 3.10 unless it is
+# set; 1 is the default the kernels were measured with.
+test-newest: setup $(NEWEST_STAMP)
+	PYTHONPATH=$(abspath $(NEWEST_DIR)) TRITON_DEFAULT_FP_FUSION=1 $(PY) -m pytest -m "not slow and not gpu" $(NEWEST_TESTS)

@@ -18,6 +18,10 @@ Public API (a contract: tests outside the project call these names):
 - ``flash_attention_numpy(q, k, v, causal=False, scale=None, block_m=..., block_n=...)``.
 - ``flash_attention_numpy_backward(q, k, v, o, lse, do, causal=False, scale=None, ...)``.
 - ``online_softmax(x, block_size)``.
+
+The attention functions (and ``course_lib.kernels.decoding.flash_decode_triton``) work inside
+``torch.compile(fullgraph=True)``: their kernels are the ops ``torch.ops.course.*``
+(:mod:`course_lib.kernels.ops`).
 """
 
 from importlib import import_module

@@ -13,7 +13,9 @@ Each cell uses ``batch · N = 16k`` tokens and ``heads · d = 2048`` (the design
 normal inputs (never zeros), the median time of the call (``--timer``: ``cudagraph``, the default,
 replays the call captured in a CUDA graph, so the time is the GPU's alone; ``events`` is
 ``triton.testing.do_bench``, which also counts the Python launch overhead, up to a third of an
-N = 1k call, and varies with the CPU), and the FLOP convention
+N = 1k call, and varies with the CPU; ``eager`` times a loop of calls made one after another as a
+training loop makes them, wall clock with ``torch.cuda.synchronize()`` only before and after the
+loop, so the host's work per call counts wherever the GPU would wait for it), and the FLOP convention
 of the FlashAttention papers (:func:`course_lib.costmodel.attention_flops`): ``4·B·H·N²·d``
 forward, halved when causal, and 3.5× that for forward+backward (the backward counts 2.5×).
 Peak memory is ``torch.cuda.max_memory_allocated`` during one call, minus what was allocated
@@ -26,6 +28,13 @@ Results are a dict, saved as JSON::
 
 The notebooks call :func:`notebook_cell`: live numbers on a GPU, the recorded ones
 (``course_lib/data/benchmarks/<gpu>.json``) with their provenance on CPU.
+
+``--overhead`` measures something else: the cost of one eager call at tiny shapes (B=1, H=4,
+N in {128, 512}), where a call is mostly host work (checks, dispatch, launches), in microseconds
+per call for each implementation, as users call it (:func:`run_overhead`, the ``eager`` timer).
+Results: ``course_lib/data/benchmarks/<gpu>_overhead.json``, rows ``{"impl", "pass", "us_per_call",
+"dtype", "d", "N", "causal", "batch", "heads", "calls"}``; :func:`format_overhead` and
+:func:`overhead_cell` show them.
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 from course_lib.costmodel import attention_flops
@@ -76,10 +87,19 @@ def flops(batch, heads, n, d, causal, pass_) -> float:
     return attention_flops(batch, heads, n, d, causal=causal, pass_=_PASS_TO_COSTMODEL[pass_])
 
 
-def _attention_fn(impl: str):
-    """A callable (q, k, v, causal) -> o for one implementation."""
+def _sdpa_backend(impl: str):
+    """The ``SDPBackend`` an ``sdpa_*`` implementation pins."""
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[impl]
+
+
+def _attention_fn(impl: str, pin_backend: bool = True):
+    """A callable (q, k, v, causal) -> o for one implementation. ``pin_backend=False``: an SDPA
+    implementation's call without its ``sdpa_kernel`` context (the caller holds it)."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     if impl == "course":
         from course_lib.kernels.api import flash_attention
@@ -87,24 +107,99 @@ def _attention_fn(impl: str):
     if impl == "naive":
         from course_lib.reference import naive_attention_torch
         return lambda q, k, v, causal: naive_attention_torch(q, k, v, causal=causal)[0]
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-               "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[impl]
+    backend = _sdpa_backend(impl)
 
     def run(q, k, v, causal):
+        if not pin_backend:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
 
 
-TIMERS = ("cudagraph", "events")
+def _inputs_and_step(impl: str, shape, torch_dtype, device: str, causal: bool, needs_grad: bool,
+                     pin_backend: bool = True):
+    """Random normal q, k, v ``shape`` (requiring grad when ``needs_grad``) and dO, and a step: one
+    call of ``impl``, forward under ``torch.no_grad`` or forward+backward (``o.backward(dO)``);
+    ``pin_backend``: as :func:`_attention_fn`."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch_dtype, generator=gen).requires_grad_(needs_grad)
+               for _ in range(3))
+    do = torch.randn(shape, device=device, dtype=torch_dtype, generator=gen)
+    fn = _attention_fn(impl, pin_backend)
+    if needs_grad:
+        def step():
+            fn(q, k, v, causal).backward(do)
+    else:
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal)
+    return q, k, v, do, step
+
+
+TIMERS = ("cudagraph", "events", "eager")
+# The eager timer: loops of back-to-back calls after a warm-up; each loop runs about this long (at
+# least EAGER_MIN_CALLS calls), and the median of EAGER_REPEATS loops is kept.
+EAGER_LOOP_MS = 100
+EAGER_MIN_CALLS = 10
+EAGER_WARMUP = 5
+EAGER_REPEATS = 5
+
+
+def time_eager_loops(step, calls: int | None = None, warmup: int = EAGER_WARMUP, repeats: int = EAGER_REPEATS,
+                     grads=None, sync=None) -> list[float]:
+    """Microseconds per call of ``step()`` made as users make it, once per loop: ``warmup`` calls,
+    then ``repeats`` loops of ``calls`` calls back to back (None: as many as fill
+    :data:`EAGER_LOOP_MS`), wall clock, ``sync()`` (``torch.cuda.synchronize`` on a GPU) only
+    before and after each loop. ``grads``: tensors whose ``.grad`` is set to None after each call
+    (``zero_grad(set_to_none=True)``, part of the timed step as in a training loop).
+
+    Returns each loop's mean time per call.
+    """
+    sync = sync or (lambda: None)
+
+    def call():
+        step()
+        for x in grads or ():
+            x.grad = None
+
+    for _ in range(warmup):
+        call()
+    sync()
+    if calls is None:  # size the loops from one timed call (the warm-up ran the compiles)
+        start = time.perf_counter()
+        call()
+        sync()
+        calls = max(EAGER_MIN_CALLS, int(EAGER_LOOP_MS * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+    loops = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+    return loops
+
+
+def time_eager_us(step, **kwargs) -> float:
+    """The median loop of :func:`time_eager_loops` (same arguments): microseconds per eager call."""
+    return statistics.median(time_eager_loops(step, **kwargs))
 
 
 def _time_ms(step, timer: str, grads) -> tuple[float, str]:
     """Median milliseconds of ``step()`` and the timer that measured it: in a CUDA graph
-    (falls back to events, saying why, when the call cannot be captured) or with events."""
+    (falls back to events, saying why, when the call cannot be captured), with events, or
+    eagerly (:func:`time_eager_us`)."""
     import triton
 
+    if timer == "eager":
+        import torch
+
+        return time_eager_us(step, grads=grads, sync=torch.cuda.synchronize) / 1e3, timer
     if timer == "cudagraph":
         import torch
 
@@ -124,21 +219,8 @@ def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
     batch, heads = problem_shape(n, d, tokens, model_dim)
     if impl == "naive" and batch * heads * n * n > NAIVE_MAX_SCORE_ENTRIES:
         return None
-    torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (batch, heads, n, d)
     needs_grad = pass_ == "fwd+bwd"
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch_dtype, generator=gen).requires_grad_(needs_grad)
-               for _ in range(3))
-    do = torch.randn(shape, device="cuda", dtype=torch_dtype, generator=gen)
-    fn = _attention_fn(impl)
-    if needs_grad:
-        def step():
-            fn(q, k, v, causal).backward(do)
-    else:
-        def step():
-            with torch.no_grad():
-                fn(q, k, v, causal)
+    q, k, v, do, step = _inputs_and_step(impl, (batch, heads, n, d), getattr(torch, dtype), "cuda", causal, needs_grad)
     try:
         step()  # compile / autotune / warm up, and find out whether the backend supports this
         torch.cuda.synchronize()
@@ -162,7 +244,7 @@ def measure(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
 
 
 def machine_meta() -> dict:
-    """GPU name, driver, torch and triton versions, today's date (UTC)."""
+    """GPU name (``none (CPU, ...)`` without one), driver, torch and triton versions, today's date (UTC)."""
     import torch
     import triton
 
@@ -171,7 +253,8 @@ def machine_meta() -> dict:
                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         driver = "unknown"
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU, Triton interpreter)"
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
 
 
@@ -219,7 +302,8 @@ def load_recorded(gpu: str = "h100") -> dict | None:
 def provenance(data: dict) -> str:
     """One line: where and when the numbers were measured."""
     m = data["meta"]
-    timer = {"cudagraph": ", timed in CUDA graphs", "events": ", timed with events (launch overhead included)"}
+    timer = {"cudagraph": ", timed in CUDA graphs", "events": ", timed with events (launch overhead included)",
+             "eager": ", timed eagerly (loops of back-to-back calls, no CUDA graph: host work per call included)"}
     return (f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
             f"on {m['date']}{timer.get(m.get('timer'), '')}")
 
@@ -359,6 +443,174 @@ def notebook_cell(pass_: str = "fwd"):
 
 
 # ----------------------------------------------------------------------------------------------
+# Per-call cost at tiny shapes (issue 33): microseconds per eager call
+
+
+OVERHEAD_IMPLS = ("course", "sdpa_flash", "sdpa_cudnn", "sdpa_mem_eff")
+OVERHEAD_GRID = {"dtype": ("bfloat16", "float16"), "d": (64, 128), "N": (128, 512), "causal": (False, True)}
+# The issue's shape: one sequence of 4 heads, where a call is almost all host work and launches.
+OVERHEAD_BATCH, OVERHEAD_HEADS = 1, 4
+OVERHEAD_CALLS = 200  # calls per timed loop
+# Issue 33's target: course at most 1.5x SDPA's FlashAttention-2 per call, forward and forward+backward.
+OVERHEAD_TARGET = 1.5
+OVERHEAD_ROW_KEYS = frozenset({"impl", "pass", "us_per_call", "dtype", "d", "N", "causal", "batch", "heads",
+                               "calls"})
+_META_KEYS = frozenset({"gpu", "driver", "torch", "triton", "date", "timer"})
+
+
+def overhead_path(gpu: str = "h100") -> Path:
+    """Where the per-call costs measured on ``gpu`` are recorded."""
+    return RECORDED_DIR / f"{gpu.lower()}_overhead.json"
+
+
+def gpu_tag(name: str) -> str:
+    """A short file-name tag for a GPU: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA L4"`` ->
+    ``"l4"``; a name without a model number is kept whole, in lower case with ``_`` for the rest."""
+    found = re.search(r"\b([a-z]{1,2}\d{1,4})\b", name.lower())
+    return found.group(1) if found else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def measure_overhead(impl: str, dtype: str, d: int, n: int, causal: bool, pass_: str,
+                     batch: int = OVERHEAD_BATCH, heads: int = OVERHEAD_HEADS, calls: int = OVERHEAD_CALLS,
+                     repeats: int = EAGER_REPEATS, warmup: int = EAGER_WARMUP, device: str | None = None,
+                     timer=time_eager_us) -> dict | None:
+    """Microseconds per eager call of one implementation at one (tiny) shape, or None when it cannot run.
+
+    Args:
+        impl: one of :data:`OVERHEAD_IMPLS` (an SDPA backend is pinned once, around the timed
+            loops, not per call); pass_: ``"fwd"`` (under ``torch.no_grad``) or ``"fwd+bwd"``
+            (``o.backward(do)``, gradients set to None after each call).
+        batch, heads, n, d, dtype, causal: the inputs ``(batch, heads, n, d)``, random normal.
+        calls, repeats, warmup: the timed loops (:func:`time_eager_us`). device: default ``cuda``
+            when there is a GPU, else ``cpu`` (the Triton interpreter: the row format only).
+        timer: :func:`time_eager_us` or a stand-in with its signature (tests).
+
+    Returns:
+        ``{"impl", "pass", "us_per_call", "dtype", "d", "N", "causal", "batch", "heads", "calls"}``.
+    """
+    import torch
+
+    import contextlib
+
+    from torch.nn.attention import sdpa_kernel
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    needs_grad = pass_ == "fwd+bwd"
+    q, k, v, _, step = _inputs_and_step(impl, (batch, heads, n, d), getattr(torch, dtype), device, causal, needs_grad,
+                                        pin_backend=False)
+    # SDPA's backend is pinned once around the timing, so a call costs what F.scaled_dot_product_attention
+    # costs when its dispatcher picks that backend (no context manager per call)
+    pinned = sdpa_kernel([_sdpa_backend(impl)]) if impl.startswith("sdpa") else contextlib.nullcontext()
+    try:
+        with pinned:
+            us = timer(step, calls=calls, warmup=warmup, repeats=repeats, grads=(q, k, v) if needs_grad else None,
+                       sync=torch.cuda.synchronize if device == "cuda" else None)
+    except RuntimeError as err:  # a backend that does not take this shape, dtype or device
+        print(f"  {impl} {dtype} d={d} N={n} causal={causal} {pass_}: not run ({str(err).splitlines()[0][:80]})")
+        return None
+    return {"impl": impl, "pass": pass_, "us_per_call": round(us, 1), "dtype": dtype, "d": d, "N": n,
+            "causal": causal, "batch": batch, "heads": heads, "calls": calls}
+
+
+def run_overhead(impls=OVERHEAD_IMPLS, dtypes=OVERHEAD_GRID["dtype"], head_dims=OVERHEAD_GRID["d"],
+                 seq_lens=OVERHEAD_GRID["N"], causals=OVERHEAD_GRID["causal"], passes=PASSES,
+                 progress: bool = True, on_row=None, **kwargs) -> dict:
+    """:func:`measure_overhead` for every cell, pass and implementation (the implementations of one
+    cell one after another, so that the machine's drift falls on all of them alike); returns
+    ``{"meta", "rows"}`` (``meta``: :func:`machine_meta` and ``"timer": "eager"``). ``kwargs`` go to
+    :func:`measure_overhead`; ``on_row(data)`` is called after each row."""
+    from tqdm.auto import tqdm
+
+    cells = [(dt, d, n, c, p, impl) for dt in dtypes for d in head_dims for n in seq_lens for c in causals
+             for p in passes for impl in impls]
+    data = {"meta": {**machine_meta(), "timer": "eager"}, "rows": []}
+    for dt, d, n, c, p, impl in tqdm(cells, desc="per-call cost", disable=not progress):
+        row = measure_overhead(impl, dt, d, n, c, p, **kwargs)
+        if row is not None:
+            data["rows"].append(row)
+            if on_row is not None:
+                on_row(data)
+    return data
+
+
+def validate_overhead(data: dict) -> dict:
+    """``data`` if it is a per-call cost record (:func:`run_overhead`'s format), else ValueError
+    saying what is wrong."""
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("a per-call cost record is {'meta': {...}, 'rows': [...]}")
+    if not _META_KEYS <= set(data["meta"]) or data["meta"]["timer"] != "eager":
+        raise ValueError(f"meta must have {sorted(_META_KEYS)} with timer 'eager', got {data['meta']}")
+    for row in data["rows"]:
+        if set(row) != OVERHEAD_ROW_KEYS:
+            raise ValueError(f"a row must have the keys {sorted(OVERHEAD_ROW_KEYS)}, got {sorted(row)}")
+        if row["impl"] not in OVERHEAD_IMPLS or row["pass"] not in PASSES or not row["us_per_call"] > 0:
+            raise ValueError(f"a row needs impl in {OVERHEAD_IMPLS}, pass in {PASSES}, us_per_call > 0: {row}")
+    return data
+
+
+def load_overhead(gpu: str = "h100", path: Path | None = None) -> dict | None:
+    """The per-call costs recorded for ``gpu`` (or at ``path``), checked; None when there are none."""
+    path = path or overhead_path(gpu)
+    if not path.exists():
+        return None
+    return validate_overhead(json.loads(path.read_text()))
+
+
+def overhead_ratios(data: dict, pass_: str, baseline: str = BASELINE) -> list[float]:
+    """course's µs per call divided by ``baseline``'s, for every cell where both ran (lower is better)."""
+    cells: dict = {}
+    for row in data["rows"]:
+        if row["pass"] == pass_:
+            cells.setdefault((row["dtype"], row["d"], row["N"], row["causal"]), {})[row["impl"]] = row["us_per_call"]
+    return [c["course"] / c[baseline] for c in cells.values() if "course" in c and baseline in c]
+
+
+def format_overhead(data: dict) -> str:
+    """A text table: µs per eager call for each cell, pass and implementation, course ÷ SDPA
+    FlashAttention-2 and ÷ cuDNN (lower is better), and per pass the largest and median ratio to
+    FlashAttention-2 against issue 33's target (:data:`OVERHEAD_TARGET`)."""
+    impls = [i for i in OVERHEAD_IMPLS if any(r["impl"] == i for r in data["rows"])]
+    shapes = sorted({(r["batch"], r["heads"]) for r in data["rows"]})
+    head = (f"{'pass':<8}{'dtype':<9}{'d':>4}{'N':>6}{'causal':>7} | " + "".join(f"{i:>13}" for i in impls)
+            + " | " + "".join(f"{'÷' + r[5:]:>8}" for r in RATIO_IMPLS))
+    lines = [f"µs per eager call, (B, H) = {', '.join(map(str, shapes))}, lower is better", head, "-" * len(head)]
+    cells: dict = {}
+    for row in data["rows"]:
+        cells.setdefault((PASSES.index(row["pass"]), row["dtype"], row["d"], row["N"], row["causal"]),
+                         {})[row["impl"]] = row["us_per_call"]
+    for (p, dtype, d, n, causal), c in sorted(cells.items()):
+        vals = "".join(f"{c[i]:>13.1f}" if i in c else f"{'-':>13}" for i in impls)
+        rats = "".join(f"{c['course'] / c[r]:>8.2f}" if "course" in c and r in c else f"{'-':>8}" for r in RATIO_IMPLS)
+        lines.append(f"{PASSES[p]:<8}{dtype:<9}{d:>4}{n:>6}{str(causal):>7} | {vals} | {rats}")
+    for pass_ in PASSES:
+        rs = overhead_ratios(data, pass_)
+        if rs:
+            lines.append(f"course ÷ {BASELINE}, {pass_}: max {max(rs):.2f}, median {statistics.median(rs):.2f} over "
+                         f"{len(rs)} cells (target: at most {OVERHEAD_TARGET})")
+    return "\n".join(lines)
+
+
+def overhead_cell(gpu: str = "h100"):
+    """What a notebook runs: on a GPU a live measurement at the issue's shape (bf16, d=64, N=128,
+    causal, both passes); on CPU the recorded per-call costs with their provenance. Returns the
+    dict shown (None when nothing is recorded)."""
+    from course_lib import runtime
+
+    if runtime.current().on_gpu:
+        data = run_overhead(dtypes=("bfloat16",), head_dims=(64,), seq_lens=(128,), causals=(True,), progress=False)
+        print("Live run: " + provenance(data))
+    else:
+        data = load_overhead(gpu)
+        if data is None:
+            print(f"No per-call costs recorded yet ({overhead_path(gpu)} is missing; on the GPU: "
+                  f"python -m course_lib.bench --overhead).")
+            return None
+        print("No GPU here: showing recorded results. " + provenance(data))
+    print(format_overhead(data))
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -372,21 +624,34 @@ def _bool(s: str) -> bool:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", nargs="+", default=list(GRID["dtype"]), choices=["float16", "bfloat16"])
-    p.add_argument("--head-dim", nargs="+", type=int, default=list(GRID["d"]))
-    p.add_argument("--seq-len", nargs="+", type=int, default=list(GRID["N"]))
-    p.add_argument("--causal", nargs="+", type=_bool, default=list(GRID["causal"]))
+    # the grid's defaults are GRID's (with --overhead, OVERHEAD_GRID's)
+    p.add_argument("--dtype", nargs="+", default=None, choices=["float16", "bfloat16"])
+    p.add_argument("--head-dim", nargs="+", type=int, default=None)
+    p.add_argument("--seq-len", nargs="+", type=int, default=None)
+    p.add_argument("--causal", nargs="+", type=_bool, default=None)
     p.add_argument("--pass", dest="passes", nargs="+", default=list(PASSES), choices=PASSES)
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impl", nargs="+", default=None, choices=IMPLS)
     p.add_argument("--tokens", type=int, default=TOKENS, help="batch · N (default 16k)")
     p.add_argument("--timer", default="cudagraph", choices=TIMERS,
                    help="cudagraph: GPU time of the call replayed in a CUDA graph (default); "
-                        "events: triton.testing.do_bench, Python launch overhead included")
+                        "events: triton.testing.do_bench, Python launch overhead included; "
+                        "eager: loops of back-to-back calls, wall clock, as a training loop calls")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead of the grid: microseconds per eager call at tiny shapes (B=1, H=4, N 128 and "
+                        "512), course against SDPA's backends; written to --out, by default "
+                        "course_lib/data/benchmarks/<gpu>_overhead.json")
     p.add_argument("--out", type=Path, help="write the results JSON here")
     p.add_argument("--plot", type=Path, help="write a plot (one figure per pass, suffixed) here")
     p.add_argument("--show-recorded", default=None, metavar="GPU",
                    help="print the recorded table for GPU (e.g. h100) instead of measuring")
     args = p.parse_args(argv)
+    grid, impls = (OVERHEAD_GRID, OVERHEAD_IMPLS) if args.overhead else (GRID, IMPLS)
+    for name, key in (("dtype", "dtype"), ("head_dim", "d"), ("seq_len", "N"), ("causal", "causal")):
+        if getattr(args, name) is None:
+            setattr(args, name, list(grid[key]))
+    args.impl = args.impl or list(impls)
+    if args.overhead:
+        return _overhead_main(args)
     if args.show_recorded:
         data = load_recorded(args.show_recorded)
         if data is None:
@@ -415,6 +680,33 @@ def main(argv=None) -> dict:
             if any(r["pass"] == pass_ for r in data["rows"]):
                 out = args.plot.with_name(f"{args.plot.stem}_{pass_.replace('+', '_')}{args.plot.suffix}")
                 plot(data, pass_).savefig(out, dpi=120)
+    return data
+
+
+def _overhead_main(args) -> dict:
+    """``--overhead``: measure on this GPU and write the record, or show a recorded one."""
+    import torch
+
+    if args.show_recorded:
+        data = load_overhead(args.show_recorded)
+        if data is None:
+            raise SystemExit(f"no per-call costs recorded for {args.show_recorded} at "
+                             f"{overhead_path(args.show_recorded)}")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("--overhead measures on a GPU; on CPU, --overhead --show-recorded h100 shows the record")
+        out = args.out or overhead_path(gpu_tag(torch.cuda.get_device_name()))
+
+        def save(data):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=1) + "\n")
+
+        data = run_overhead([i for i in args.impl if i in OVERHEAD_IMPLS], args.dtype, args.head_dim, args.seq_len,
+                            args.causal, args.passes, on_row=save)
+        save(data)
+        print(f"written to {out}")
+    print(provenance(data))
+    print(format_overhead(data))
     return data
 
 

@@ -18,6 +18,7 @@ cell says so on Colab and how to install the course by hand.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -32,15 +33,29 @@ DISTRIBUTION = "course_lib"
 # Colab's own builds, matched to its CUDA driver: never installed or upgraded by the course.
 KEPT = ("torch", "triton")
 # The import name of each package the installer may install (to tell when a restart is needed).
-MODULES = {"numpy": "numpy", "matplotlib": "matplotlib", "ipywidgets": "ipywidgets", "tqdm": "tqdm"}
+MODULES = {"numpy": "numpy", "matplotlib": "matplotlib", "ipywidgets": "ipywidgets", "tqdm": "tqdm",
+           "transformers": "transformers"}
 RESTART = "Runtime → Restart session"
 # Colab's GPUs of compute capability 8.0+ (its T4 is 7.5: CPU mode), as the mode line names them.
-GPU_RUNTIMES = "an A100, L4 or H100 runtime (Runtime → Change runtime type)"
+GPU_RUNTIMES = "an A100, L4, H100 or G4 runtime (Runtime → Change runtime type)"
+# Colab's GPU runtime types, found in the name torch gives their GPU. The G4 is an RTX PRO 6000
+# Blackwell (compute capability 12.0, 99 KiB of shared memory per block): the paid runtimes often
+# hand it out when no H100 is free; the library runs its Triton kernels there.
+RUNTIMES = {"G4": r"RTX PRO 6000", "H100": r"H100", "A100": r"A100", "L4": r"\bL4\b", "T4": r"\bT4\b"}
 
 
 def on_colab() -> bool:
     """True inside a Google Colab notebook (its ``google.colab`` module is loaded)."""
     return "google.colab" in sys.modules
+
+
+def runtime_name(gpu_name: str | None) -> str | None:
+    """The Colab runtime type (:data:`RUNTIMES`) of a GPU named as torch names it, e.g.
+    ``"NVIDIA RTX PRO 6000 Blackwell Server Edition"`` -> ``"G4"``; None for other GPUs."""
+    for name, pattern in RUNTIMES.items():
+        if gpu_name and re.search(pattern, gpu_name):
+            return name
+    return None
 
 
 def installed_versions() -> dict[str, str | None]:

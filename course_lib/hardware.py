@@ -234,8 +234,11 @@ class ComputeTarget:
         examples: GPUs of that capability.
         max_shared_kib_per_block: the most shared memory one block may ask for (opt-in), KiB:
             what Triton checks at the first launch ("out of resource: shared memory").
-        fp8_dots: the tensor cores multiply fp8 (e4m3/e5m2) operands (Ada and Hopper).
-        tma: the Tensor Memory Accelerator behind Triton's tensor descriptors (Hopper).
+        fp8_dots: the tensor cores multiply fp8 (e4m3/e5m2) operands (Ada, Hopper, Blackwell).
+        tma: the Tensor Memory Accelerator behind Triton's tensor descriptors (Hopper, Blackwell).
+        wgmma: Hopper's warpgroup matrix multiply (``wgmma``), which the Gluon kernels and the
+            library's descriptor forward are written for: they run on 9.x only. Blackwell has
+            ``tcgen05`` with tensor memory instead (10.0) or neither (12.0: ``mma.sync``, as Ampere).
     """
 
     capability: tuple[int, int]
@@ -243,6 +246,7 @@ class ComputeTarget:
     max_shared_kib_per_block: int
     fp8_dots: bool
     tma: bool
+    wgmma: bool
 
     @property
     def arch(self) -> int:
@@ -254,13 +258,21 @@ class ComputeTarget:
 
 
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": maximum shared
-# memory per thread block 163 KB (8.0), 99 KB (8.6, 8.9), 227 KB (9.0); each is its SM's shared
-# memory (max_shared_kib_per_sm above) less the 1 KiB the system keeps per block.
+# memory per thread block 163 KB (8.0), 99 KB (8.6, 8.9, 12.0), 227 KB (9.0, 10.0); each is its SM's
+# shared memory (max_shared_kib_per_sm above) less the 1 KiB the system keeps per block. 12.0 is
+# Blackwell's workstation and consumer chip (GB202/GB203...): TMA, fp8, no wgmma and no tcgen05.
 COMPUTE_TARGETS = {
     t.arch: t for t in [
-        ComputeTarget((8, 0), "A100", 163, fp8_dots=False, tma=False),
-        ComputeTarget((8, 6), "A10, A40, RTX 3090, RTX A6000", 99, fp8_dots=False, tma=False),
-        ComputeTarget((8, 9), "L4, L40S, RTX 4090", 99, fp8_dots=True, tma=False),
-        ComputeTarget((9, 0), "H100, H200", 227, fp8_dots=True, tma=True),
+        ComputeTarget((8, 0), "A100", 163, fp8_dots=False, tma=False, wgmma=False),
+        ComputeTarget((8, 6), "A10, A40, RTX 3090, RTX A6000", 99, fp8_dots=False, tma=False, wgmma=False),
+        ComputeTarget((8, 9), "L4, L40S, RTX 4090", 99, fp8_dots=True, tma=False, wgmma=False),
+        ComputeTarget((9, 0), "H100, H200", 227, fp8_dots=True, tma=True, wgmma=True),
+        ComputeTarget((10, 0), "B200, GB200", 227, fp8_dots=True, tma=True, wgmma=False),
+        ComputeTarget((12, 0), "RTX 50xx, RTX PRO 6000 (Colab's G4)", 99, fp8_dots=True, tma=True, wgmma=False),
     ]
 }
+
+
+def compute_target(capability) -> ComputeTarget | None:
+    """The :data:`COMPUTE_TARGETS` entry of a ``(major, minor)`` compute capability, None if unknown."""
+    return COMPUTE_TARGETS.get(10 * capability[0] + capability[1])

@@ -2,7 +2,9 @@
 
 Triton compiles for any NVIDIA GPU without one: the compiler only needs the target's compute
 capability. This module gives Triton a stand-in driver for a target (A100 = sm_80; A10 / RTX 3090
-= sm_86; L4 / RTX 4090 = sm_89; H100 = sm_90), calls the library's real launchers on CPU tensors,
+= sm_86; L4 / RTX 4090 = sm_89; H100 = sm_90; Blackwell: B200 = sm_100, RTX 50xx / RTX PRO 6000 /
+Colab's G4 = sm_120, compiled by the Blackwell ``ptxas`` Triton 3.7+ bundles for arch >= 100), calls
+the library's real launchers on CPU tensors,
 and lets :func:`course_lib.kernels.fit.choose` pick each config exactly as it does on a real GPU:
 compile, "load" (the stand-in reports the target's shared-memory limit, and the registers and
 spills that the bundled ``cuobjdump`` reads from the compiled binary), keep the first candidate
@@ -15,6 +17,7 @@ H100 choice (on sm_90) does not; a test runs it on a subset (tests/test_reach.py
 
     python -m course_lib.reach                       # every target, dtype and head dim (minutes)
     python -m course_lib.reach --targets 86 --dtypes float16 --head-dims 128 --check
+    python -m course_lib.reach --targets 80,86,89,90,100,120 --check --jobs 2   # the issue's check
     python -m course_lib.reach --targets 90 --dtypes float32 --head-dims 256 --families attention --causal 0
 """
 
@@ -144,7 +147,9 @@ def _launches(dtypes, head_dims, arch: int, families=FAMILIES, causals=(False, T
                         backward.attention_backward(q, q, q, q, o, lse, causal, 0.125)
 
                     yield "attention", dtype_name, d, causal, n, attention
-                    if (target.tma and d in tuning.TMA_HEAD_DIMS and dtype.itemsize == 2):
+                    # the descriptor forward is the library's on Hopper only (hopper.library_uses_tma):
+                    # Blackwell has TMA too, but keeps chapter 06's kernel
+                    if (target.wgmma and d in tuning.TMA_HEAD_DIMS and dtype.itemsize == 2):
                         def tma(q=q, causal=causal):
                             blocks = hopper.default_blocks(d, 2, n, causal)
                             hopper.attention_forward_tma(q, q, q, causal, 0.125, blocks=blocks)
@@ -172,8 +177,9 @@ def _launches(dtypes, head_dims, arch: int, families=FAMILIES, causals=(False, T
                 yield "decode" + ("_grouped" if grouped else ""), dtype_name, d, False, DECODE_CACHE_LEN, decode
 
 
-def _child(arch: int, dtypes, head_dims, families=FAMILIES, causals=(False, True)) -> None:
-    """Run in a fresh process: compile every launch for ``arch``; print one JSON line each."""
+def _use_stand_in(arch: int) -> None:
+    """In a fresh child process: GPU mode with :class:`StandInDriver` for ``arch``; the descriptor
+    kernels take CPU tensors and allocate nothing (nothing launches)."""
     os.environ["TRITON_INTERPRET"] = "0"
     from triton.runtime import driver
 
@@ -181,10 +187,17 @@ def _child(arch: int, dtypes, head_dims, families=FAMILIES, causals=(False, True
 
     runtime.use_stand_in_gpu(f"sm_{arch} ({COMPUTE_TARGETS[arch].examples})")
     driver.set_active(StandInDriver(arch))
-    from course_lib.kernels import fit, hopper
+    from course_lib.kernels import hopper
 
     hopper.ensure_descriptor_allocator = lambda: None  # nothing is allocated: nothing launches
     hopper.tma_unsupported_reason = lambda *tensors: None  # CPU tensors stand in for the GPU's
+
+
+def _child(arch: int, dtypes, head_dims, families=FAMILIES, causals=(False, True)) -> None:
+    """Run in a fresh process: compile every launch for ``arch``; print one JSON line each."""
+    _use_stand_in(arch)
+    from course_lib.kernels import fit
+
     seen = set()
     for family, dtype, d, causal, n, launch in _launches(dtypes, head_dims, arch, families, causals):
         error = None
@@ -237,6 +250,71 @@ def _record_fixed(arch, family, dtype, d, causal, n, seen) -> None:
                     "limit": COMPUTE_TARGETS[arch].max_shared_bytes_per_block,
                     "registers": registers, "spill_bytes": local_bytes, "compile_s": None, "tried": []}),
                     flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the tensor cores are asked to do on each target (chapter 09, "Blackwell and FlashAttention-4")
+
+# PTX instructions that say what a compiled kernel uses, by what they are named in the chapter.
+PTX_INSTRUCTIONS = {
+    "wgmma": r"wgmma\.mma_async",  # Hopper's warpgroup matmul, accumulator in registers
+    "tcgen05.mma": r"tcgen05\.mma",  # Blackwell (sm_100): one thread issues it, accumulator in tensor memory
+    "tensor memory": r"tcgen05\.(?:ld|st|alloc)",  # moving accumulators between tensor memory and registers
+    "mma.sync": r"\bmma\.sync\.aligned",  # Ampere's warp-level matmul (sm_80-89, and sm_120)
+    "TMA copy": r"cp\.async\.bulk\.tensor",  # a tile copied by the Tensor Memory Accelerator
+}
+PTX_FACT_KERNELS = ("attention_forward_kernel", "attention_forward_tma_kernel")  # chapters 06 and 09
+
+
+def _ptx_facts_child(arch: int, head_dim: int) -> None:
+    """Run in a fresh process: compile chapter 06's forward and chapter 09's descriptor forward
+    (fp16, causal, N = 1024, the H100 table's tiles) for ``arch``; print one JSON line each."""
+    _use_stand_in(arch)
+    import torch
+
+    from course_lib.kernels import forward, hopper, tuning
+
+    n, causal = SEQ_LENS["short"], True
+    q = torch.zeros(1, 1, n, head_dim, dtype=torch.float16)
+    # the H100 tables' tiles on every target: one compile each (fit.choose would try several)
+    forward.attention_forward(q, q, q, causal, head_dim ** -0.5,
+                              blocks=tuning.gpu_default("forward", head_dim, 2, n, causal))
+    hopper.attention_forward_tma(q, q, q, causal, head_dim ** -0.5, blocks=hopper.default_blocks(head_dim, 2, n, causal))
+    for kernel in (forward.attention_forward_kernel, hopper.attention_forward_tma_kernel):
+        for device_cache in kernel.device_caches.values():
+            for compiled in list(device_cache[0].values())[:1]:
+                ptx = compiled.asm["ptx"]
+                registers, local_bytes = resource_usage(compiled.asm["cubin"])
+                print(json.dumps({"target": arch, "kernel": kernel.fn.__name__, "shared": compiled.metadata.shared,
+                                  "registers": registers, "spill_bytes": local_bytes,
+                                  **{name: len(re.findall(pattern, ptx)) for name, pattern in PTX_INSTRUCTIONS.items()}}),
+                      flush=True)
+
+
+def ptx_facts(targets=(90, 100, 120), head_dim: int = 128) -> list[dict]:
+    """Chapter 06's and chapter 09's forward kernels cross-compiled for each target (one child
+    process each; no GPU needed): one row per (target, kernel) with how many of each
+    :data:`PTX_INSTRUCTIONS` its PTX holds, its shared memory, registers and spilled bytes."""
+    unknown = [t for t in targets if t not in COMPUTE_TARGETS]
+    if unknown:
+        raise ValueError(f"targets must be among {sorted(COMPUTE_TARGETS)}, got {unknown}")
+    rows = []
+    for arch in targets:
+        proc = subprocess.Popen([sys.executable, "-m", "course_lib.reach", "--ptx-facts", str(arch), "--head-dims",
+                                 str(head_dim)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rows += _collect(proc)
+    return rows
+
+
+def format_ptx_facts(rows: list[dict]) -> str:
+    """One line per (target, kernel): the instruction counts, shared memory, registers, spills."""
+    head = f"{'target':<7} {'kernel':<29}" + "".join(f"{name:>14}" for name in PTX_INSTRUCTIONS) + \
+        f"{'shared KiB':>11}{'regs':>6}{'spills B':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"sm_{r['target']:<4} {r['kernel']:<29}" + "".join(f"{r[name]:>14}" for name in PTX_INSTRUCTIONS)
+                     + f"{r['shared'] / 1024:>11.1f}{r['registers']:>6}{r['spill_bytes']:>9}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,7 +400,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.reach", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", type=_ints, default=tuple(COMPUTE_TARGETS),
-                        help="compute capabilities as Triton numbers, e.g. 80,86,89,90 (default: all)")
+                        help="compute capabilities as Triton numbers, e.g. 80,86,89,90,100,120 (default: all)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="e.g. float16,bfloat16,float32")
     parser.add_argument("--head-dims", type=_ints, default=HEAD_DIMS, help="padded head dims, e.g. 64,128")
     parser.add_argument("--families", default=",".join(FAMILIES), help="attention, decode, masked (default: all)")
@@ -333,6 +411,7 @@ def main(argv=None) -> int:
                         help="exit 1 if a launch does not fit or spills where the H100 choice does not")
     parser.add_argument("--verbose", action="store_true", help="also list every candidate tried")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ptx-facts", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = tuple(args.dtypes.split(","))
     families = tuple(args.families.split(","))
@@ -344,6 +423,9 @@ def main(argv=None) -> int:
     causals = tuple(bool(c) for c in args.causal)
     if args.child is not None:
         _child(args.child, dtypes, args.head_dims, families, causals)
+        return 0
+    if args.ptx_facts is not None:
+        _ptx_facts_child(args.ptx_facts, args.head_dims[0])
         return 0
     rows = survey(args.targets, dtypes, args.head_dims, args.jobs, families, causals)
     print(format_table(rows, args.verbose))

@@ -45,6 +45,7 @@ class Runtime:
     versions: dict = field(default_factory=dict)
     sizes: dict = field(default_factory=dict)
     forced_by: str | None = None  # "COURSE_LIB_MODE=cpu" or "setup(force=...)" when not detected
+    capability: tuple[int, int] | None = None  # the GPU's compute capability, e.g. (9, 0)
 
     @property
     def on_gpu(self) -> bool:
@@ -59,7 +60,7 @@ class Runtime:
         v = self.versions
         versions = f"torch {v['torch']}, triton {v['triton']}, numpy {v['numpy']}"
         if self.on_gpu:
-            return f"GPU mode: Triton kernels run natively on {self.gpu_name} · {versions}"
+            return f"GPU mode: Triton kernels run natively on {self.gpu_name}{self._gpu_note()} · {versions}"
         if self.versions.get("triton") == "not installed":
             system = {"Darwin": "macOS"}.get(platform.system(), platform.system())
             return (f"CPU mode without Triton (no {system} wheel): chapters 00-04 run; the "
@@ -75,6 +76,24 @@ class Runtime:
                     f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}+), so Triton runs "
                     f"in its interpreter on CPU tensors (small sizes){choose} · {versions}")
         return f"CPU mode: no CUDA GPU, Triton runs in its interpreter (small sizes){choose} · {versions}"
+
+    def _gpu_note(self) -> str:
+        """What the GPU-mode line says after the GPU's name: which Colab runtime it is, and on a GPU
+        newer than Hopper (Blackwell: B200, RTX 50xx, RTX PRO 6000), that chapter 09's Hopper-only
+        kernels (wgmma, Gluon) stay off there."""
+        from course_lib.colab import on_colab, runtime_name
+        from course_lib.hardware import compute_target
+
+        notes = []
+        colab_runtime = runtime_name(self.gpu_name) if on_colab() else None
+        if colab_runtime:
+            notes.append(f"Colab's {colab_runtime} runtime")
+        if self.capability is not None and tuple(self.capability) >= (10, 0):
+            target = compute_target(self.capability)
+            smem = f", {target.max_shared_kib_per_block} KiB of shared memory per block" if target else ""
+            notes.append(f"compute capability {self.capability[0]}.{self.capability[1]}{smem}: "
+                         f"the Hopper-only kernels (wgmma, Gluon) stay off")
+        return f" ({'; '.join(notes)})" if notes else ""
 
 
 _RUNTIME: Runtime | None = None
@@ -257,6 +276,7 @@ def setup(force: str | None = None, verbose: bool = True) -> Runtime:
         versions=_versions(),
         sizes=dict(_DEFAULT_SIZES[mode]),
         forced_by=forced_by,
+        capability=tuple(capability) if capability is not None else None,
     )
     if verbose:
         print(_RUNTIME.describe())

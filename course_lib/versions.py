@@ -4,7 +4,9 @@
 module says how far back each dependency may go: Google Colab's installer
 (:mod:`course_lib.colab`) installs only what is missing or older than these, and
 ``make test-oldest`` builds ``.venv-oldest`` from :func:`oldest_pins` and runs the kernels, the
-widgets and notebook 00 there.
+widgets and notebook 00 there. ``make test-newest`` puts the newest Triton (:func:`newest_pins`)
+in front of the pinned environment and runs the kernels and the Gluon and Blackwell cross-compiles
+with it.
 
 It imports nothing from the course (nor numpy, torch or triton): the Makefile runs it as a script
 before the course is installed (``python course_lib/versions.py --oldest``).
@@ -29,6 +31,9 @@ MINIMUM = {
     "ipywidgets": "7.7.1",
     # tqdm.auto as course_lib.bench uses it; Colab has 4.67.
     "tqdm": "4.66",
+    # The GPU machine's image (chapter 12 runs there); tests/test_integrations_hf.py passes with 5.17.0
+    # and with the pin, 5.23.0 (AttentionInterface and AttentionMaskInterface as both have them).
+    "transformers": "5.17",
 }
 
 # triton 3.6's interpreter fails with numpy 2.4 ("only 0-dimensional arrays can be converted to
@@ -51,6 +56,14 @@ OLDEST_TESTED = {
 }
 
 
+# What `make test-newest` puts in front of the pinned environment: the newest Triton release
+# (2026-10). torch stays the pinned CPU wheel: PyPI's Linux torch 2.14/2.15 are the CUDA builds
+# (GBs), and torch 2.13's CUDA build pins triton 3.7.1, so pyproject.toml keeps that pair.
+NEWEST_TESTED = {
+    "triton": "3.9.0",
+}
+
+
 # The test tools make test-oldest needs, pinned as pyproject.toml pins them (its test and lab
 # extras): pytest and its plugins, nbval and a Jupyter kernel for notebook 00.
 TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "nbval", "nbformat",
@@ -60,6 +73,11 @@ TEST_TOOLS = ("pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "nbval",
 def oldest_pins() -> list[str]:
     """``name==version`` for each dependency of :data:`OLDEST_TESTED`, in a stable order."""
     return [f"{name}=={version}" for name, version in OLDEST_TESTED.items()]
+
+
+def newest_pins() -> list[str]:
+    """``name==version`` for each package of :data:`NEWEST_TESTED`."""
+    return [f"{name}=={version}" for name, version in NEWEST_TESTED.items()]
 
 
 def tool_pins(pyproject: str | Path | None = None) -> list[str]:
@@ -78,10 +96,11 @@ def tool_pins(pyproject: str | Path | None = None) -> list[str]:
 
 
 USAGE = ("usage: python course_lib/versions.py --oldest      the oldest pins make test-oldest installs\n"
+         "       python course_lib/versions.py --newest      the newest releases make test-newest installs\n"
          "       python course_lib/versions.py --test-tools  the test tools, as pyproject.toml pins them")
 
 if __name__ == "__main__":
-    flags = {"--oldest": oldest_pins, "--test-tools": tool_pins}
+    flags = {"--oldest": oldest_pins, "--newest": newest_pins, "--test-tools": tool_pins}
     if len(sys.argv) != 2 or sys.argv[1] not in flags:
         sys.exit(USAGE)
     print(" ".join(flags[sys.argv[1]]()))

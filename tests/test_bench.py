@@ -165,3 +165,209 @@ def test_grid_arguments_default_to_the_whole_grid():
     assert list(map(int, args.head_dims.split(","))) == list(bench.GRID["d"])
     assert list(map(int, args.seq_lens.split(","))) == list(bench.GRID["N"])
     assert parser.parse_args(["--causal", "1"]).causal == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-call cost (issue 33): the eager timer, the overhead runner, its record and its table
+
+
+def _toy_overhead():
+    rows = []
+    for impl, fwd, fwd_bwd in (("course", 45.0, 240.0), ("sdpa_flash", 35.0, 187.0), ("sdpa_cudnn", 39.0, 212.0)):
+        for pass_, us in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            rows.append({"impl": impl, "pass": pass_, "us_per_call": us, "dtype": "bfloat16", "d": 64, "N": 128,
+                         "causal": True, "batch": 1, "heads": 4, "calls": 300})
+    meta = {"gpu": "Toy GPU", "driver": "1.0", "torch": "2.x", "triton": "3.x", "date": "2026-01-01",
+            "timer": "eager"}
+    return {"meta": meta, "rows": rows}
+
+
+def test_eager_timer_counts_calls_and_clears_grads():
+    """Warm-up calls, then ``repeats`` loops of ``calls`` calls, synchronised only around each loop,
+    gradients set to None after every call; the result is time per call."""
+    import torch
+
+    x = torch.zeros(1, requires_grad=True)
+    counts = {"step": 0, "sync": 0, "grad_seen": 0}
+
+    def step():
+        counts["grad_seen"] += x.grad is not None
+        counts["step"] += 1
+        x.grad = torch.ones(1)
+
+    def sync():
+        counts["sync"] += 1
+
+    us = bench.time_eager_us(step, calls=7, warmup=2, repeats=3, grads=(x,), sync=sync)
+    assert counts["step"] == 2 + 3 * 7 and counts["grad_seen"] == 0 and x.grad is None
+    assert counts["sync"] == 1 + 2 * 3 and us > 0
+    counts["step"] = 0
+    bench.time_eager_us(step, calls=None, warmup=0, repeats=1, sync=sync)  # sized from one timed call
+    assert counts["step"] >= 1 + bench.EAGER_MIN_CALLS
+
+
+def test_grid_timer_eager_is_the_eager_loop(monkeypatch):
+    """``--timer eager`` times the grid's cells with :func:`time_eager_us` (milliseconds out)."""
+    seen = {}
+
+    def fake(step, grads=None, sync=None, **kwargs):
+        seen.update(grads=grads, sync=sync)
+        return 2500.0
+
+    monkeypatch.setattr(bench, "time_eager_us", fake)
+    assert bench._time_ms(lambda: None, "eager", ["g"]) == (2.5, "eager")
+    assert seen["grads"] == ["g"] and seen["sync"] is not None
+    assert "eager" in bench.TIMERS
+    data = _toy()
+    data["meta"]["timer"] = "eager"
+    assert bench.provenance(data).endswith("timed eagerly (loops of back-to-back calls, no CUDA graph: host work "
+                                           "per call included)")
+
+
+def test_overhead_row_on_cpu_in_the_interpreter():
+    """The runner's row for the course kernel, measured for real in the interpreter at a tiny shape
+    (its number means nothing off the GPU; its format is the record's)."""
+    from course_lib import runtime
+
+    if runtime.current().on_gpu:
+        pytest.skip("the CPU path; on a GPU the lead's run records the real numbers")
+    for pass_ in bench.PASSES:
+        row = bench.measure_overhead("course", "float32", 16, 16, True, pass_, batch=1, heads=1, calls=1, repeats=1,
+                                     warmup=0)
+        assert set(row) == bench.OVERHEAD_ROW_KEYS and row["us_per_call"] > 0
+        assert (row["impl"], row["pass"], row["d"], row["N"], row["causal"], row["batch"], row["heads"], row["calls"]) \
+            == ("course", pass_, 16, 16, True, 1, 1, 1)
+
+
+def test_overhead_backend_that_cannot_run_gives_no_row(capsys):
+    """An SDPA backend that refuses the device or shape gives None and says why (cuDNN on CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("cuDNN runs on a GPU")
+    assert bench.measure_overhead("sdpa_cudnn", "float32", 16, 16, False, "fwd", calls=1, repeats=1, warmup=0) is None
+    assert "sdpa_cudnn float32 d=16 N=16 causal=False fwd: not run" in capsys.readouterr().out
+
+
+def test_run_overhead_record_with_a_stand_in_timer(tmp_path):
+    """Every (cell, pass, impl) gets a row, the meta says the timer, and the record reads back."""
+    import json
+
+    calls = []
+
+    def timer(step, **kwargs):
+        calls.append(kwargs)
+        return 12.5
+
+    data = bench.run_overhead(impls=("course",), dtypes=("float32",), head_dims=(16,), seq_lens=(16, 32),
+                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1)
+    assert data["meta"]["timer"] == "eager" and len(data["rows"]) == 2 * len(bench.PASSES) == len(calls)
+    assert {r["N"] for r in data["rows"]} == {16, 32} and all(r["us_per_call"] == 12.5 for r in data["rows"])
+    assert [c["grads"] is not None for c in calls] == [p == "fwd+bwd" for p in bench.PASSES] * 2
+    path = tmp_path / "toy_overhead.json"
+    path.write_text(json.dumps(data))
+    assert bench.load_overhead(path=path) == data
+
+
+def test_overhead_reader_refuses_a_broken_record(tmp_path):
+    import json
+
+    assert bench.load_overhead("no_such_gpu") is None
+    for broken, message in (({"rows": []}, "a per-call cost record is"),
+                            ({**_toy_overhead(), "meta": {**_toy_overhead()["meta"], "timer": "cudagraph"}},
+                             "timer 'eager'"),
+                            ({**_toy_overhead(), "rows": [{"impl": "course"}]}, "a row must have the keys"),
+                            ({**_toy_overhead(), "rows": [{**_toy_overhead()["rows"][0], "us_per_call": 0}]},
+                             "us_per_call > 0")):
+        path = tmp_path / "x_overhead.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=message):
+            bench.load_overhead(path=path)
+
+
+def test_overhead_table_and_ratios():
+    data = _toy_overhead()
+    assert bench.overhead_ratios(data, "fwd") == [45.0 / 35.0]
+    assert bench.overhead_ratios(data, "fwd+bwd", baseline="sdpa_cudnn") == [240.0 / 212.0]
+    lines = bench.format_overhead(data).splitlines()
+    assert lines[0] == "µs per eager call, (B, H) = (1, 4), lower is better"
+    assert "course" in lines[1] and "sdpa_cudnn" in lines[1] and "sdpa_mem_eff" not in lines[1]
+    fwd = next(line for line in lines if line.startswith("fwd "))
+    assert "45.0" in fwd and "35.0" in fwd and f"{45 / 35:.2f}" in fwd and f"{45 / 39:.2f}" in fwd
+    assert lines[-2] == (f"course ÷ sdpa_flash, fwd: max {45 / 35:.2f}, median {45 / 35:.2f} over 1 cells "
+                         "(target: at most 1.5)")
+    assert lines[-1].startswith("course ÷ sdpa_flash, fwd+bwd: max 1.28")
+
+
+def test_overhead_cell_and_cli_show_the_record(capsys, monkeypatch, tmp_path):
+    """On CPU the notebook cell and ``--overhead --show-recorded`` print the record with its
+    provenance (the timer included); without one, the cell says how to make it."""
+    import json
+
+    from course_lib import runtime
+
+    if runtime.current().on_gpu:
+        pytest.skip("the CPU path shows recorded results")
+    monkeypatch.setattr(bench, "RECORDED_DIR", tmp_path)
+    assert bench.overhead_cell() is None
+    assert "No per-call costs recorded yet" in capsys.readouterr().out
+    (tmp_path / "h100_overhead.json").write_text(json.dumps(_toy_overhead()))
+    assert bench.overhead_cell() == _toy_overhead()
+    out = capsys.readouterr().out
+    assert "No GPU here: showing recorded results. Measured on Toy GPU" in out and "timed eagerly" in out
+    assert "µs per eager call" in out
+    bench.main(["--overhead", "--show-recorded", "h100"])
+    assert "course ÷ sdpa_flash, fwd: max" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="measures on a GPU"):
+        bench.main(["--overhead"])
+
+
+def test_gpu_tag_names_the_record():
+    assert bench.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.gpu_tag("NVIDIA L4") == "l4"
+    assert bench.overhead_path("H100").name == "h100_overhead.json"
+
+
+def test_recorded_overhead_file():
+    """The H100 record, once the lead has made it (``python -m course_lib.bench --overhead`` on the
+    H100): readable, and it holds issue 33's cell for course and SDPA's FlashAttention-2."""
+    data = bench.load_overhead("h100")
+    if data is None:
+        pytest.skip(f"not recorded yet: {bench.overhead_path('h100')} (run python -m course_lib.bench --overhead "
+                    "on the H100)")
+    for impl in ("course", "sdpa_flash"):
+        for pass_ in bench.PASSES:
+            assert any(r["impl"] == impl and r["pass"] == pass_ and (r["dtype"], r["d"], r["N"], r["causal"])
+                       == ("bfloat16", 64, 128, True) for r in data["rows"]), (impl, pass_)
+
+
+def test_profile_overhead_tool_on_cpu(tmp_path):
+    """tools/profile_overhead.py: per-call µs and own-time leaders with the launches as no-ops (the
+    interpreter's launch put back afterwards), written as JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from course_lib import runtime
+
+    if runtime.current().on_gpu:
+        pytest.skip("the CPU run; on the GPU the lead runs the tool itself")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "profile_overhead.py"
+    spec = importlib.util.spec_from_file_location("profile_overhead", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    original = InterpretedFunction.run
+    with tool.no_launches():
+        assert InterpretedFunction.run is not original
+    assert InterpretedFunction.run is original
+    out = tmp_path / "profile.json"
+    tool.main(["--shape", "1,2,32,16", "--launches", "noop", "--pass", "fwd", "fwd+bwd", "--calls", "3",
+               "--repeats", "2", "--warmup", "1", "--top", "5", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["launches"], r["pass"]) for r in rows] == [("noop", "fwd"), ("noop", "fwd+bwd")]
+    assert all(r["us_per_call"] > 0 and len(r["leaders"]) == 5 for r in rows)
+    for row in rows:  # the leaders: most own time first, each named by function and file
+        own = [leader["own_us"] for leader in row["leaders"]]
+        assert own == sorted(own, reverse=True) and all("(" in leader["function"] for leader in row["leaders"])

@@ -161,16 +161,60 @@ def test_grads_gpu_ragged_and_odd_head_dims(dtype):
         check_grads(q, k, v, causal)
 
 
+def _spy_backwards(monkeypatch) -> list:
+    """Record which backward kernel each call runs, as the dispatch took it: "gluon one-pass"
+    (kernels/gluon_backward.py), "triton one-pass" (chapter 07's dK/dV kernel adding dQ with
+    atomics) or "triton two-kernel" (dK/dV, then dQ: the deterministic one), read from the
+    launcher the dispatch made (``BackwardLaunch.one_pass``)."""
+    from course_lib.kernels import backward, gluon_backward
+
+    ran = []
+    gluon, triton_call = gluon_backward.attention_backward_gluon, backward.BackwardLaunch.__call__
+
+    def spy_gluon(*args, **kwargs):
+        ran.append("gluon one-pass")
+        return gluon(*args, **kwargs)
+
+    def spy_triton(self, *args, **kwargs):
+        ran.append("triton one-pass" if self.one_pass else "triton two-kernel")
+        return triton_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(gluon_backward, "attention_backward_gluon", spy_gluon)
+    monkeypatch.setattr(backward.BackwardLaunch, "__call__", spy_triton)
+    return ran
+
+
+def _keeps_its_promise(kernel: str, got, deterministic) -> None:
+    """What a backward promises against the deterministic one's gradients ``(dq, dk, dv)``."""
+    if kernel == "triton two-kernel":  # it is the deterministic backward
+        assert all(torch.equal(a, b) for a, b in zip(got, deterministic))
+    elif kernel == "triton one-pass":  # dK, dV from the same code; dQ summed by fp32 atomics
+        assert torch.equal(got[1], deterministic[1]) and torch.equal(got[2], deterministic[2])
+        assert rel_err(got[0], deterministic[0]) < GRAD_REL_TOL[torch.bfloat16] / 10
+    else:  # the Gluon kernel: its own tiles and order of accumulation, the documented tolerance
+        for name, a, b in zip(("dq", "dk", "dv"), got, deterministic):
+            assert rel_err(a, b) < GRAD_REL_TOL[torch.bfloat16], (kernel, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_deterministic_backward_is_bitwise_reproducible_gpu(d, monkeypatch):
-    """deterministic=True (the two-kernel backward, no atomics) gives the same bits every run; the
-    default one-pass backward agrees with it to fp32 rounding of dQ's sums, and its dK, dV (no
-    atomics) are bit-identical to it."""
-    from course_lib import flash_attention
-    from course_lib.kernels import tuning
+    """What each backward the library can take at (2, 4, 2048, d), bf16, causal, promises, with
+    the kernel that ran named (``_spy_backwards``):
 
-    monkeypatch.setattr(tuning, "one_pass_pays", lambda *shape: True)  # d=128 too
+    - ``deterministic=True`` (chapter 07's two kernels, no atomics): the same bits every run;
+    - the default: the Gluon one-pass backward on Hopper at d = 64 and 128 (the dispatch's own
+      test, ``library_uses_gluon_backward``, says so), whose tiles and order of accumulation are
+      its own: within the documented bf16 tolerance (``GRAD_REL_TOL``) of the deterministic one,
+      not bitwise; elsewhere one of chapter 07's;
+    - the Triton one-pass backward (taken on purpose: Gluon off, one-pass at every shape): dK, dV
+      bit-identical to the deterministic one (the same code), dQ within fp32 rounding of its
+      atomic sums (a tenth of the bf16 tolerance).
+    """
+    from course_lib import flash_attention
+    from course_lib.kernels import gluon_backward, tuning
+
+    ran = _spy_backwards(monkeypatch)
     q, k, v = _leaves([(2, 4, 2048, d)] * 3, torch.bfloat16, "cuda")
     do = torch.randn(2, 4, 2048, d, device="cuda", dtype=torch.bfloat16)
 
@@ -180,10 +224,25 @@ def test_deterministic_backward_is_bitwise_reproducible_gpu(d, monkeypatch):
         flash_attention(q, k, v, causal=True, deterministic=deterministic).backward(do)
         return [x.grad.clone() for x in (q, k, v)]
 
-    first, second, one_pass = grads(True), grads(True), grads(False)
+    first, second = grads(True), grads(True)
+    assert ran == ["triton two-kernel"] * 2
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert torch.equal(one_pass[1], first[1]) and torch.equal(one_pass[2], first[2])
-    assert rel_err(one_pass[0], first[0]) < GRAD_REL_TOL[torch.bfloat16] / 10
+
+    o = flash_attention(q, k, v, causal=True).detach()
+    gluon = gluon_backward.library_uses_gluon_backward(q, k, v, o, do)
+    if torch.cuda.get_device_capability()[0] == 9 and d in tuning.GLUON_BACKWARD_HEAD_DIMS:
+        assert gluon, "on Hopper the default backward at this head dim is the Gluon kernel"
+    ran.clear()
+    default = grads(False)
+    assert ran == ["gluon one-pass"] if gluon else ran in (["triton one-pass"], ["triton two-kernel"])
+    _keeps_its_promise(ran[0], default, first)
+
+    monkeypatch.setenv(tuning.GLUON_BACKWARD_ENV, "0")
+    monkeypatch.setattr(tuning, "one_pass_pays", lambda *shape: True)
+    ran.clear()
+    one_pass = grads(False)
+    assert ran == ["triton one-pass"]
+    _keeps_its_promise("triton one-pass", one_pass, first)
 
 
 def test_one_pass_and_two_kernel_backward_agree(device):

@@ -3,7 +3,8 @@
 The full survey (every target, dtype and head dim) takes minutes: `python -m course_lib.reach`;
 its last result is summarised in course_lib/data/benchmarks/NOTES.md. Here: the head dim and
 targets the issue measured (d=128 fp16 on sm_86, whose 99 KiB the H100's backward tiles overflow,
-and sm_90 itself).
+and sm_90 itself), and Blackwell's sm_120 (RTX 50xx, RTX PRO 6000 = Colab's G4: 99 KiB, TMA but
+no wgmma), compiled by the Blackwell ptxas Triton bundles.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import sys
 from dataclasses import astuple
 
 import pytest
+import torch
 
+from course_lib import reach
 from course_lib.hardware import COMPUTE_TARGETS
 from course_lib.kernels import tuning
 from course_lib.reach import problems
@@ -23,7 +26,7 @@ from course_lib.reach import problems
 @pytest.fixture(scope="module")
 def survey(tmp_path_factory):
     out = tmp_path_factory.mktemp("reach") / "rows.json"
-    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "86,90", "--dtypes", "float16",
+    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "86,90,120", "--dtypes", "float16",
                            "--head-dims", "128", "--check", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -32,13 +35,134 @@ def survey(tmp_path_factory):
 
 def test_every_launch_fits_its_target_without_new_spills(survey):
     rows, table = survey
-    assert {r["target"] for r in rows} == {86, 90}
-    assert {r["kernel"] for r in rows} >= {"attention_forward_kernel", "dkdv_kernel", "dq_kernel",
-                                            "attention_forward_tma_kernel", "split_kv_kernel", "combine_kernel"}
+    assert {r["target"] for r in rows} == {86, 90, 120}
+    for target in (86, 90, 120):
+        assert {r["kernel"] for r in rows if r["target"] == target} >= {
+            "attention_forward_kernel", "dkdv_kernel", "dq_kernel", "masked_forward_kernel", "masked_dkdv_kernel",
+            "masked_dq_kernel", "split_kv_kernel", "combine_kernel"}
     assert problems(rows) == []
     for r in rows:
         assert r["shared"] <= COMPUTE_TARGETS[r["target"]].max_shared_bytes_per_block
     assert "0 problems" in table
+
+
+def test_the_hopper_only_path_is_launched_on_hopper_only(survey):
+    """The descriptor (TMA) forward is the library's on 9.x only (hopper.library_uses_tma): sm_120
+    has TMA but no wgmma, and keeps chapter 06's kernel."""
+    rows, _ = survey
+    tma_targets = {r["target"] for r in rows if r["kernel"] == "attention_forward_tma_kernel"}
+    assert tma_targets == {t for t in (86, 90, 120) if COMPUTE_TARGETS[t].wgmma} == {90}
+
+
+def test_sm120_fits_99_kib_without_spills(survey):
+    """On an RTX 50xx / RTX PRO 6000 every launch fits 99 KiB; the H100's d=128 backward tiles
+    are refitted, as on an RTX 3090, and nothing spills."""
+    rows, _ = survey
+    on_120 = [r for r in rows if r["target"] == 120]
+    limit = COMPUTE_TARGETS[120].max_shared_bytes_per_block
+    assert on_120 and all(r["limit"] == limit == 99 * 1024 and r["shared"] <= limit for r in on_120)
+    assert all(r["spill_bytes"] == 0 for r in on_120)
+    refitted = {r["kernel"] for r in on_120 if r["table"] is not None and r["config"] != r["table"]}
+    assert {"dkdv_kernel", "dq_kernel"} <= refitted
+
+
+@pytest.mark.parametrize("arch", sorted(COMPUTE_TARGETS))
+def test_the_gluon_kernels_need_a_hopper_gpu(arch, monkeypatch):
+    """On every target but 9.x (Blackwell's 10.0 and 12.0 included) the library's Gluon kernels say
+    no before looking at anything else, and the one-pass backward adds dQ by atomics, not by TMA."""
+    from course_lib.kernels import backward, gluon_hopper
+
+    target = COMPUTE_TARGETS[arch]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: target.capability)
+    q = _OnCuda(torch.zeros(1, 1, 128, 128, dtype=torch.float16))
+    why = gluon_hopper.gluon_unsupported_reason(q, q, q)
+    if not gluon_hopper.available():  # pragma: no cover - depends on the installed Triton
+        assert why == gluon_hopper.GLUON_IMPORT_ERROR
+    elif target.wgmma:
+        assert why is None
+    else:
+        assert why == "the kernel uses Hopper's wgmma and TMA: it needs a GPU of compute capability 9.x"
+    assert (backward.dq_mode(q, 128, interpreted=False) == backward.DQ_TMA.value) == target.wgmma
+
+
+class _OnCuda:
+    """A CPU tensor that says it is on a CUDA device (only ``.device`` differs), to ask the
+    dispatch rules what they would do on a GPU this machine does not have."""
+
+    def __init__(self, x: torch.Tensor):
+        self._x = x
+
+    device = torch.device("cuda", 0)
+
+    def __getattr__(self, name):
+        return getattr(self._x, name)
+
+
+def test_colab_and_blackwell_gpus_are_named_in_the_mode_line(monkeypatch):
+    """runtime.setup()'s line on Colab's G4 (an RTX PRO 6000, 12.0) names the runtime and says
+    the Hopper-only kernels stay off; a B200 (10.0) says so too; an H100 line has no such note."""
+    import types
+
+    from course_lib import runtime
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    versions = {"python": "3.13", "torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.1.3"}
+
+    def line(name, capability):
+        return runtime.Runtime(mode=runtime.GPU, device="cuda", gpu_name=name, versions=versions,
+                               capability=capability).describe()
+
+    g4 = line("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0))
+    assert g4.startswith("GPU mode: Triton kernels run natively on NVIDIA RTX PRO 6000 Blackwell Server Edition "
+                         "(Colab's G4 runtime; compute capability 12.0, 99 KiB of shared memory per block: "
+                         "the Hopper-only kernels (wgmma, Gluon) stay off)")
+    assert "compute capability 10.0, 227 KiB" in line("NVIDIA B200", (10, 0))
+    assert line("NVIDIA H100 80GB HBM3", (9, 0)).startswith("GPU mode: Triton kernels run natively on "
+                                                             "NVIDIA H100 80GB HBM3 (Colab's H100 runtime) · ")
+
+
+def test_blackwell_targets_compile_and_fit(tmp_path):
+    """B200 (sm_100, 227 KiB) and RTX 50xx / RTX PRO 6000 (sm_120, 99 KiB), causal fp16 at d=64
+    (``make test-newest`` runs it with the newest Triton): every launch compiles for Blackwell and
+    fits, the fitted configs spill nothing, and none is the Hopper-only descriptor forward."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "100,120", "--dtypes", "float16",
+                           "--head-dims", "64", "--families", "attention,decode", "--causal", "1", "--check",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["target"] for r in rows} == {100, 120} and problems(rows) == []
+    for target in (100, 120):
+        kernels = {r["kernel"] for r in rows if r["target"] == target}
+        assert kernels >= {"attention_forward_kernel", "dkdv_kernel", "split_kv_kernel"}, kernels
+        assert "attention_forward_tma_kernel" not in kernels
+    assert all(r["shared"] <= r["limit"] == COMPUTE_TARGETS[r["target"]].max_shared_bytes_per_block for r in rows)
+    # the configs fit.choose picks spill nothing (the fixed ones are compared with sm_90 by --check
+    # where the survey has it: Triton 3.9 spills 8 B in the one-row preprocess kernel for sm_100)
+    assert all(r["spill_bytes"] == 0 for r in rows if r["table"] is not None)
+
+
+def test_ptx_facts_show_each_generations_tensor_core_instruction():
+    """Chapter 09, section 8: the same Triton forwards become wgmma on sm_90, tcgen05.mma with
+    tensor memory on sm_100, and Ampere's mma.sync on sm_120; the descriptor kernel's loads are
+    TMA copies on all three."""
+    rows = {(r["target"], r["kernel"]): r for r in reach.ptx_facts((90, 100, 120))}
+    assert set(rows) == {(t, k) for t in (90, 100, 120) for k in reach.PTX_FACT_KERNELS}
+    for kernel in reach.PTX_FACT_KERNELS:
+        h100, b200, rtx50 = rows[90, kernel], rows[100, kernel], rows[120, kernel]
+        assert h100["wgmma"] > 0 and h100["tcgen05.mma"] == h100["mma.sync"] == 0, h100
+        assert b200["tcgen05.mma"] > 0 and b200["tensor memory"] > 0 and b200["wgmma"] == 0, b200
+        assert rtx50["mma.sync"] > 0 and rtx50["wgmma"] == rtx50["tcgen05.mma"] == rtx50["tensor memory"] == 0, rtx50
+    for target in (90, 100, 120):
+        assert rows[target, "attention_forward_tma_kernel"]["TMA copy"] > 0
+        assert rows[target, "attention_forward_kernel"]["TMA copy"] == 0
+    table = reach.format_ptx_facts(list(rows.values()))
+    assert table.splitlines()[0].split()[:3] == ["target", "kernel", "wgmma"] and "sm_120" in table
+
+
+def test_ptx_facts_refuse_unknown_targets():
+    with pytest.raises(ValueError, match=r"targets must be among \[80, 86, 89, 90, 100, 120\], got \[75\]"):
+        reach.ptx_facts((75,))
 
 
 def test_the_h100_keeps_its_table(survey):
@@ -107,4 +231,4 @@ def test_reach_refuses_unknown_families():
 def test_reach_refuses_unknown_targets():
     done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "75"],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "targets must be among [80, 86, 89, 90]" in done.stderr
+    assert done.returncode == 2 and "targets must be among [80, 86, 89, 90, 100, 120]" in done.stderr

@@ -36,6 +36,13 @@ causal kernels above run exactly as before:
 
 :func:`flash_attention_varlen` takes FlashAttention-2's packed layout. A query row that sees no
 key gets ``o = 0`` and ``lse = -inf``, and zero gradients.
+
+Every public function here works inside ``torch.compile(fullgraph=True)`` (chapter 12): its checks
+read shapes, dtypes and Python arguments only, so Dynamo traces them, and its kernels run as one
+``torch.library`` op, ``torch.ops.course.*`` (:mod:`course_lib.kernels.ops`: a fake implementation
+for the compiler, an autograd formula that calls the backward op); the checks that read tensor
+values (``seq_lens``, ``cu_seqlens``) run inside the op. Eager calls reach the same implementation
+functions through the autograd Functions below, without the op dispatch.
 """
 
 from __future__ import annotations
@@ -48,9 +55,10 @@ import torch
 from course_lib import blockmask as bm
 from course_lib import runtime
 from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
-from course_lib.kernels.backward import attention_backward
-from course_lib.kernels import hopper, tuning
-from course_lib.kernels.forward import attention_forward
+from course_lib.kernels import hopper, ops  # noqa: F401 (hopper: tools/sweep_forward.py reads api.hopper)
+from course_lib.kernels import plan as plans
+from course_lib.kernels.forward import attention_forward  # noqa: F401 (tools/sweep_forward.py reads it here)
+from course_lib.kernels.plan import as_4d  # made for the launch plans; teaching.py, ring.py import it from here
 from course_lib.reference import default_scale
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,7 +72,30 @@ def _dtype_names(dtypes) -> str:
 
 
 def validate_inputs(q, k, v, causal, scale) -> None:
-    """Raise TypeError/ValueError naming the bad argument; return None when the call is valid."""
+    """Raise TypeError/ValueError naming the bad argument; return None when the call is valid.
+
+    The checks read only the call's signature (shapes, strides, dtypes, devices, ``causal``; see
+    :func:`course_lib.kernels.plan.signature`), so a signature that passed once is only looked up
+    again, and only ``scale`` is checked (not under torch.compile, which traces the checks).
+    """
+    key = None
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(causal, bool) and not torch.compiler.is_compiling()):
+        try:
+            key = plans.signature(q, k, v, causal)
+        except (RuntimeError, AttributeError):  # no strides or storage (sparse, nested): checked below
+            key = None
+        plan = plans.cached_by_key(key) if key is not None else None
+        if plan is not None and plan.validated:
+            validate_scale(scale)
+            return
+    _validate_inputs(q, k, v, causal, scale)
+    if key is not None:
+        plans.plan_for(q, k, v, causal, key).validated = True
+
+
+def _validate_inputs(q, k, v, causal, scale) -> None:
+    """Every check of :func:`validate_inputs`, on every call."""
     rt = runtime.current()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -130,38 +161,13 @@ def validate_offsets(**tensors) -> None:
                              f"(at most {MAX_ELEMENT_OFFSET + 1})")
 
 
-def as_4d(x: torch.Tensor) -> torch.Tensor:
-    """View ``(..., N, d)`` as ``(B, H, N, d)``: add unit dims, or merge extra leading dims.
-
-    Adding dims never copies; merging more than two leading dims copies only when their strides
-    cannot be merged (``reshape``'s rule).
-    """
-    if x.dim() == 2:
-        return x[None, None]
-    if x.dim() == 3:
-        return x[None]
-    if x.dim() == 4:
-        return x
-    return x.reshape(-1, *x.shape[-3:])
-
-
-def _gluon():
-    """:mod:`course_lib.kernels.gluon_hopper`, imported on first use on a GPU (Gluon is experimental)."""
-    from course_lib.kernels import gluon_hopper
-
-    return gluon_hopper
-
-
 def _forward(q, k, v, causal: bool, scale: float):
-    """``(o, lse)`` shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``."""
-    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
-    if q4.is_cuda and _gluon().library_uses_gluon(q4, k4, v4):  # chapter 09: warp-specialized Gluon
-        o4, lse = _gluon().attention_forward_gluon(q4, k4, v4, causal, scale, variant=tuning.GLUON_VARIANT)
-    elif hopper.library_uses_tma(q4, k4, v4):  # chapter 09: descriptor loads where they pay
-        o4, lse = hopper.attention_forward_tma(q4, k4, v4, causal, scale)
-    else:
-        o4, lse = attention_forward(q4, k4, v4, causal, scale)
-    return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
+    """``(o, lse)`` shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``.
+
+    The kernel (chapter 09's Gluon or TMA forward on Hopper, chapter 06's elsewhere) and its launch
+    are chosen once per call signature (:mod:`course_lib.kernels.plan`).
+    """
+    return plans.plan_for(q, k, v, causal).forward(q, k, v, causal, scale)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -183,19 +189,32 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        o4 = as_4d(o)
-        if not ctx.deterministic and do.is_cuda:  # chapter 09: the Gluon one-pass backward on Hopper
-            from course_lib.kernels import gluon_backward
+        return (*_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.deterministic), None, None, None)
 
-            q4, k4, v4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(do)
-            if gluon_backward.library_uses_gluon_backward(q4, k4, v4, o4, do4):
-                dq, dk, dv = gluon_backward.attention_backward_gluon(
-                    do4, q4, k4, v4, o4, lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale)
-                return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
-        dq, dk, dv = attention_backward(as_4d(do), as_4d(q), as_4d(k), as_4d(v), o4,
-                                        lse.reshape(o4.shape[:-1]), ctx.causal, ctx.scale,
-                                        deterministic=ctx.deterministic)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
+
+# One implementation, two ways in. Eager calls go through the autograd Functions of this module,
+# which call the functions below directly; under torch.compile the public functions call the
+# torch.library ops of course_lib.kernels.ops, whose implementations are these same functions
+# (registered with @ops.implementation). The eager path skips the custom-op dispatch because it
+# costs host time on every call. Measured on the CPU machine (torch 2.13.0+cpu, 2 cores shared with
+# other jobs, 2026-11-26; a "kernel" that only allocates o and lse at (1, 4, 128, 64); best of 5 x
+# 3000 calls): called directly 6 us, as an op 13 us; with grad, autograd.Function.apply 20 us vs the
+# op with register_autograd 46 us; forward+backward 106 vs 145 us. Against SDPA's 35 / 187 us per
+# call on the H100 (issue 33), 7-40 us more per call is not negligible.
+
+
+@ops.implementation("attention_forward")
+def _forward_op(q, k, v, causal: bool, scale: float, deterministic: bool):
+    """``course::attention_forward``: :func:`_forward` (``deterministic`` is for the backward op)."""
+    return _forward(q, k, v, causal, scale)
+
+
+@ops.implementation("attention_backward")
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool):
+    """``(dq, dk, dv)`` shaped like q, k, v: the dense backward kernels (chapter 09's Gluon one-pass
+    backward on Hopper unless ``deterministic``, chapter 07's elsewhere), chosen once per call
+    signature and upstream-gradient layout (:mod:`course_lib.kernels.plan`)."""
+    return plans.plan_for(q, k, v, causal).backward(do, q, k, v, o, lse, causal, scale, deterministic)
 
 
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
@@ -223,10 +242,15 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _uses_masks(q, k, window, seq_lens, block_mask):
+        if torch.compiler.is_compiling():
+            return ops.masked_attention_forward(*_masked_op_args(q, k, v, causal, scale, window, seq_lens,
+                                                                 block_mask), deterministic)[0]
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
         return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic).reshape(q.shape)
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        return ops.attention_forward(q, k, v, causal, scale, deterministic)[0]
     return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
 
 
@@ -239,11 +263,16 @@ def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None 
         ``-inf`` for a row that sees no key.
     """
     if _uses_masks(q, k, window, seq_lens, block_mask):
-        q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
-        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
-        return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
+        if torch.compiler.is_compiling():
+            with torch.no_grad():  # forward only, as in eager: the outputs have no autograd history
+                return ops.masked_attention_forward(*_masked_op_args(q, k, v, causal, scale, window, seq_lens,
+                                                                     block_mask), False)
+        return _masked_forward(q, k, v, causal, scale, window, seq_lens, block_mask)
     validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            return ops.attention_forward(q, k, v, causal, scale, False)
     return _forward(q, k, v, causal, scale)
 
 
@@ -296,29 +325,43 @@ def validate_gqa(q, k, v) -> None:
     return q
 
 
-def _validate_lengths(name: str, lens, batch: int, n: int, device) -> torch.Tensor:
+def _named_lengths(seq_lens) -> list:
+    """``[(name, lengths)]`` of ``seq_lens``: one tensor for queries and keys, or a pair."""
+    if isinstance(seq_lens, (tuple, list)):
+        lens_q, lens_k = seq_lens
+        return [("seq_lens_q", lens_q), ("seq_lens_k", lens_k)]
+    return [("seq_lens", seq_lens)]
+
+
+def _check_lengths(name: str, lens, batch: int) -> None:
+    """Type and shape of per-sample lengths (no values read: torch.compile traces this)."""
     if not isinstance(lens, torch.Tensor) or lens.is_floating_point() or lens.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor of shape (B,), got {type(lens).__name__} "
                         f"{getattr(lens, 'dtype', '')}")
     if lens.shape != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
+
+
+def _validate_lengths(name: str, lens, batch: int, n: int, device) -> torch.Tensor:
+    _check_lengths(name, lens, batch)
     values = lens.tolist()  # checked on the host; lengths on the CPU are copied to q's device
     if any(x < 0 or x > n for x in values):
         raise ValueError(f"{name} must lie in [0, {n}] (the padded length), got {values}")
     return lens.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
-    """Check a masked call and build its :class:`~course_lib.kernels.masked.MaskPlan`.
+def _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask):
+    """The checks of a masked call that read no tensor values (torch.compile traces them; the
+    lengths' values are checked where the plan is built), with the element rules a builder
+    stored in ``block_mask`` merged into the arguments, as if passed here.
 
-    Returns ``(q4, k4, v4, scale, plan)`` with ``(B, H, N, d)`` views.
+    Returns ``(causal, window, seq_lens)``.
     """
     validate_inputs(validate_gqa(q, k, v), k, v, causal, scale)
     if window is not None:
         window = bm.validate_window(window)
-    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
-    batch, heads, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    q4, k4 = as_4d(q), as_4d(k)
+    batch, heads, n_q, n_k = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
     if block_mask is not None and not isinstance(block_mask, bm.BlockMask):
         raise TypeError(f"block_mask must be a course_lib.blockmask.BlockMask, got {type(block_mask).__name__}")
     if block_mask is not None:
@@ -329,19 +372,44 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
         if b_m not in (1, batch) or h_m not in (1, heads):
             raise ValueError(f"block_mask has leading dims ({b_m}, {h_m}); expected (1 or B={batch}, "
                              f"1 or H={heads})")
-        if block_mask.device != q.device:  # built on the CPU (the builders' default): copied once
-            copies = block_mask.__dict__.setdefault("_copies", {})
-            if str(q.device) not in copies:
-                copies[str(q.device)] = block_mask.to(q.device)
-            block_mask = copies[str(q.device)]
-        block_m, block_n = block_mask.block_size
-        # the element rules a builder stored in the block mask count as if passed here
         causal = causal or block_mask.causal
         for name, mine, theirs in (("window", window, block_mask.window), ("seq_lens", seq_lens, block_mask.seq_lens)):
             if mine is not None and theirs is not None:
                 raise ValueError(f"{name} is given twice: as an argument and inside block_mask; give it once")
         window = window if window is not None else block_mask.window
         seq_lens = seq_lens if seq_lens is not None else block_mask.seq_lens
+    if seq_lens is not None:
+        if q.dim() != 4:
+            raise ValueError(f"seq_lens needs q, k, v of shape (B, H, N, d), got q {tuple(q.shape)}")
+        for name, lens in _named_lengths(seq_lens):
+            _check_lengths(name, lens, batch)
+    return causal, window, seq_lens
+
+
+def _masked_op_args(q, k, v, causal, scale, window, seq_lens, block_mask) -> tuple:
+    """A checked masked call as the arguments of ``course::masked_attention_forward`` before
+    ``deterministic`` (torch.compile traces this)."""
+    causal, window, seq_lens = _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    return (q, k, v, causal, scale, *ops.mask_args(window, seq_lens, block_mask))
+
+
+def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
+    """Check a masked call and build its :class:`~course_lib.kernels.masked.MaskPlan`.
+
+    Returns ``(q4, k4, v4, scale, plan)`` with ``(B, H, N, d)`` views.
+    """
+    causal, window, seq_lens = _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask)
+    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    if block_mask is not None:
+        if block_mask.device != q.device:  # built on the CPU (the builders' default): copied once
+            copies = block_mask.__dict__.setdefault("_copies", {})
+            if str(q.device) not in copies:
+                copies[str(q.device)] = block_mask.to(q.device)
+            block_mask = copies[str(q.device)]
+        block_m, block_n = block_mask.block_size
     else:
         block_m, block_n = masked.tile_sizes(d, q.dtype)
     scale = default_scale(d) if scale is None else float(scale)
@@ -371,11 +439,10 @@ def _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, seq_
     band (causal, window, lengths) intersected with the block mask's, and the element rules."""
     len_q = len_k = None
     if seq_lens is not None:
-        if q.dim() != 4:
-            raise ValueError(f"seq_lens needs q, k, v of shape (B, H, N, d), got q {tuple(q.shape)}")
-        lq, lk = seq_lens if isinstance(seq_lens, (tuple, list)) else (seq_lens, seq_lens)
-        len_q = _validate_lengths("seq_lens" if lq is lk else "seq_lens_q", lq, batch, n_q, q.device)
-        len_k = _validate_lengths("seq_lens" if lq is lk else "seq_lens_k", lk, batch, n_k, q.device)
+        named = _named_lengths(seq_lens)
+        (name_q, lq), (name_k, lk) = named[0], named[-1]
+        len_q = _validate_lengths(name_q, lq, batch, n_q, q.device)
+        len_k = _validate_lengths(name_k, lk, batch, n_k, q.device)
     lo, hi = bm.window_band(window, n_q if len_q is None else len_q.long(),
                             n_k if len_k is None else len_k.long(), causal)
     classes = bm.band_tile_classes(n_q, n_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q, len_k=len_k,
@@ -409,13 +476,44 @@ class MaskedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen) -> list[int]:
-    """The offsets' values, checked on the host (one device-to-host copy when they live on a GPU)."""
+def _masked_forward(q, k, v, causal, scale, window, seq_lens, block_mask):
+    """``(o, lse)`` of a masked call, shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``."""
+    q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
+    o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+    return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+@ops.implementation("masked_attention_forward")
+def _masked_forward_op(q, k, v, causal, scale, *rest):
+    """``course::masked_attention_forward``: ``rest`` is :func:`course_lib.kernels.ops.mask_args`'s
+    tuple, then ``deterministic`` (for the backward op)."""
+    return _masked_forward(q, k, v, causal, scale, *ops.mask_from_args(*rest[:-1]))
+
+
+@ops.implementation("masked_attention_backward")
+def _masked_backward_op(do, q, k, v, o, lse, causal, scale, *rest):
+    """``course::masked_attention_backward``: the plan of the forward's arguments, rebuilt (from the
+    API's caches, or from the lengths' values), then the masked backward kernels."""
+    q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, *ops.mask_from_args(*rest[:-1]))
+    dq, dk, dv = masked.masked_backward(as_4d(do), q4, k4, v4, as_4d(o), lse.reshape(q4.shape[:-1]), scale, plan,
+                                        deterministic=rest[-1])
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _check_cu_seqlens(name: str, cu, max_name: str, max_seqlen) -> None:
+    """Type and shape of the offsets and their ``max_seqlen`` (no values read: torch.compile traces this)."""
     if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (B + 1,), got {type(cu).__name__} "
                         f"{getattr(cu, 'dtype', '')}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must have shape (B + 1,) with B >= 1, got {tuple(cu.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
+        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+
+
+def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen) -> list[int]:
+    """The offsets' values, checked on the host (one device-to-host copy when they live on a GPU)."""
+    _check_cu_seqlens(name, cu, max_name, max_seqlen)
     values = cu.tolist()  # checked on the host; _varlen_plan makes the device copies, once per packing
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
@@ -425,8 +523,6 @@ def _validate_cu_seqlens(name: str, cu, total: int, max_name: str, max_seqlen) -
     if values[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total} (the sequence lengths must sum to "
                          f"it), got {values[-1]}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 1:
-        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lengths)})")
     return values
@@ -483,6 +579,39 @@ def _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal,
 _VARLEN_CACHE: dict = {}
 
 
+def _check_sequence_counts(cu_seqlens_q, cu_seqlens_k) -> None:
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+
+
+def _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window):
+    """The offsets' values checked on the host, then the plan of :func:`_varlen_plan` (kept per packing)."""
+    values_q = _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q4.shape[2], "max_seqlen_q", max_seqlen_q)
+    values_k = _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k4.shape[2], "max_seqlen_k", max_seqlen_k)
+    _check_sequence_counts(cu_seqlens_q, cu_seqlens_k)
+    return _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal, window)
+
+
+@ops.implementation("varlen_attention_forward")
+def _varlen_forward(q4, k4, v4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                    deterministic=False):
+    """``(o, lse)`` of a packed batch on ``(1, H, total, d)`` views: ``o`` ``(1, H, total_q, d)``,
+    ``lse`` ``(1, H, total_q)`` (``deterministic`` is for the backward op)."""
+    window = None if window is None else tuple(window)  # the op passes a list; the plan cache wants a key
+    plan = _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window)
+    return masked.masked_forward(q4, k4, v4, scale, plan)
+
+
+@ops.implementation("varlen_attention_backward")
+def _varlen_backward_op(do, q4, k4, v4, o4, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        scale, window, deterministic):
+    """``course::varlen_attention_backward``: the plan from the packing's cache, then the masked backward."""
+    window = None if window is None else tuple(window)
+    plan = _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window)
+    return masked.masked_backward(do, q4, k4, v4, o4, lse, scale, plan, deterministic=deterministic)
+
+
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            causal: bool = False, scale: float | None = None, window=None,
                            return_lse: bool = False, deterministic: bool = False):
@@ -520,17 +649,24 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     validate_inputs(validate_gqa(q4, k4, v4), k4, v4, causal, scale)
     if window is not None:
         window = bm.validate_window(window)
-    values_q = _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    values_k = _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    if len(values_q) != len(values_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-                         f"{len(values_q) - 1} and {len(values_k) - 1}")
+    # the offsets' values are checked where the plan is built (_varlen_call): in the op under torch.compile
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    d = q.shape[-1]
-    plan = _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal, window)
-    scale = default_scale(d) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        _check_sequence_counts(cu_seqlens_q, cu_seqlens_k)
+        args = (q4, k4, v4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                None if window is None else list(window), deterministic)
+        if return_lse:
+            with torch.no_grad():  # forward only, as in eager
+                o4, lse = ops.varlen_attention_forward(*args)
+            return o4[0].permute(1, 0, 2), lse[0]
+        return ops.varlen_attention_forward(*args)[0][0].permute(1, 0, 2)
     if return_lse:
-        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+        o4, lse = _varlen_forward(q4, k4, v4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                  window)
         return o4[0].permute(1, 0, 2), lse[0]
+    plan = _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window)
     return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic)[0].permute(1, 0, 2)

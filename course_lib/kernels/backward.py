@@ -37,6 +37,7 @@ import triton.language as tl
 
 from course_lib import runtime
 from course_lib.kernels import fit, tiles, tuning
+from course_lib.kernels.launch import CachedLaunch
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LOG2_E
 
@@ -350,14 +351,30 @@ dq_kernel_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": tuning.prune_dq})(dq_kernel)
 
 
-def _launch(kernel, tuned, n_tiles_of, blocks, args, meta):
-    """Launch with a fixed config (interpreter, measured GPU table, tests) or through the autotuner."""
+def _cached_launch(kernel, tuned, n_tiles_of, blocks, meta: dict, cache: bool) -> CachedLaunch:
+    """A fixed config's launch (interpreter, measured GPU table, tests), or the autotuner's."""
     if blocks is not None:
-        grid = (n_tiles_of(blocks.block_m, blocks.block_n),)
-        kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
-                     num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    else:
-        tuned[lambda cfg: (n_tiles_of(cfg["BLOCK_M"], cfg["BLOCK_N"]),)](*args, **meta)
+        meta = dict(meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
+                    num_stages=blocks.num_stages)
+        return CachedLaunch(kernel, (n_tiles_of(blocks.block_m, blocks.block_n),), meta, cache)
+    return CachedLaunch(tuned, lambda cfg: (n_tiles_of(cfg["BLOCK_M"], cfg["BLOCK_N"]),), meta)
+
+
+def delta_launch(shape, acc_dtype, cache: bool = False) -> CachedLaunch:
+    """The preprocess kernel's launch for ``o`` and ``dO`` of ``shape`` ``(B, H, N_q, d)``: ``delta =
+    rowsum(dO ∘ O)``, accumulated in ``acc_dtype`` (run it with :func:`run_delta`)."""
+    batch, heads, n_q, d = shape
+    return CachedLaunch(preprocess_kernel, (triton.cdiv(n_q, PREPROCESS_BLOCK_M) * batch * heads,),
+                        dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), ACC_DTYPE=acc_dtype,
+                             BLOCK_M=PREPROCESS_BLOCK_M), cache)
+
+
+def run_delta(launch: CachedLaunch, o, do, lse):
+    """``delta`` ``(B, H, N_q)``, laid out like ``lse``: rowsum(dO ∘ O) (the paper's D) by ``launch``
+    (:func:`delta_launch`)."""
+    delta = torch.empty_like(lse)
+    launch(o, do, delta, *o.stride(), *do.stride(), o.shape[1], o.shape[2])
+    return delta
 
 
 def dq_mode(q: torch.Tensor, head_dim: int, interpreted: bool) -> int:
@@ -369,6 +386,112 @@ def dq_mode(q: torch.Tensor, head_dim: int, interpreted: bool) -> int:
             and torch.cuda.get_device_capability(q.device)[0] == 9 and (head_dim * 4) % 16 == 0):
         return DQ_TMA.value
     return DQ_ATOMIC.value
+
+
+class BackwardLaunch:
+    """The backward kernels' launches for one call signature: dtypes, the one-pass choice,
+    constexprs, launch configs and grids, worked out once (the library's launch plans keep one per
+    signature, :mod:`course_lib.kernels.plan`).
+
+    Args:
+        q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``: their shapes and dtype (and the strides of
+            every tensor of a call) are the signature; every call must match them.
+        causal, dkdv_blocks, dq_blocks, mistake, deterministic: as :func:`attention_backward`.
+        cache: launch later calls by the compiled kernels' handles
+            (:class:`~course_lib.kernels.launch.CachedLaunch`); calls then take no ``out``.
+    """
+
+    def __init__(self, q, k, v, causal: bool, dkdv_blocks: tuning.Blocks | None = None,
+                 dq_blocks: tuning.Blocks | None = None, *, mistake: str | None = None,
+                 deterministic: bool = False, cache: bool = False):
+        interpreted = _rt.interpreted
+        self.dtype, self.work, self.device, self.cache = q.dtype, compute_dtype(q.dtype, interpreted), q.device, cache
+        batch, heads, n_q, d = q.shape
+        n_k = k.shape[2]
+        self.q_shape, self.k_shape, self.sizes = (batch, heads, n_q, d), (batch, heads, n_k, d), (heads, n_q, n_k)
+        head_dim = padded_head_dim(d)
+        acc_dtype, precision = kernel_dtypes(self.work, head_dim)
+        self.delta = delta_launch(q.shape, acc_dtype, cache)
+        # the one-pass backward unless asked for reproducible bits, replaying a mistake (chapter 07's
+        # models are the two kernels), or where it does not pay on a GPU (tuning.one_pass_pays)
+        self.one_pass = not deterministic and mistake is None and (
+            interpreted or tuning.one_pass_pays(max(n_q, n_k), head_dim, causal))
+        self.meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=head_dim, ACC_DTYPE=acc_dtype, CAUSAL=bool(causal),
+                         DOT_PRECISION=precision)
+        if mistake is not None:
+            self.meta.update(MISTAKE=MISTAKE_CODES[mistake])
+        self.dq_acc_dtype = torch.float64 if self.work == torch.float64 else torch.float32
+        if self.one_pass:
+            self.meta.update(DQ_MODE=dq_mode(q, d, interpreted))
+        # the kernel makes its descriptor of dq_acc on the device: Triton needs an allocator for it
+        self.needs_allocator = self.one_pass and self.meta["DQ_MODE"] == DQ_TMA.value
+        if interpreted:
+            dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
+            dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
+        self.blocks = (dkdv_blocks, dq_blocks)
+        self.table = None  # the measured table, fitted to this GPU at the first call
+        if not interpreted and not tuning.autotune_enabled():
+            self.table = dict(head_dim=head_dim, element_size=self.work.itemsize, seq_len=max(n_q, n_k), causal=causal)
+        self.dkdv = self.dq = None
+
+    def __call__(self, do, q, k, v, o, lse, scale: float, out=None):
+        """``(dq, dk, dv)`` of :func:`attention_backward` for inputs of this signature."""
+        if out is not None and self.cache:
+            raise ValueError("out: only for a BackwardLaunch made with cache=False (its strides are not the "
+                             "signature's)")
+        work = self.work
+        tensors = (do, q, k, v, o)
+        same = do.dtype == work and q.dtype == work and k.dtype == work and v.dtype == work and o.dtype == work
+        dow, qw, kw, vw, ow = tensors if same else (x.to(work) for x in tensors)
+        delta = run_delta(self.delta, ow, dow, lse)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D
+        if out is not None and all(x.dtype == work for x in out):
+            dq, dk, dv = out
+        else:
+            dq = None if self.one_pass else torch.empty(self.q_shape, dtype=work, device=self.device)
+            dk = torch.empty(self.k_shape, dtype=work, device=self.device)
+            dv = torch.empty_like(dk)
+        dq_acc = dk  # the two-kernel backward passes a placeholder the kernel never touches
+        if self.one_pass:
+            dq_acc = torch.zeros(self.q_shape, dtype=self.dq_acc_dtype, device=self.device)
+            if self.needs_allocator:
+                from course_lib.kernels.hopper import ensure_descriptor_allocator
+
+                ensure_descriptor_allocator()
+        common = (*qw.stride(), *kw.stride(), *vw.stride(), *dow.stride())
+        scalars = (*self.sizes, scale, scale * LOG2_E_FLOAT)
+        dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), dq_acc, *scalars)
+        dq_args = None if self.one_pass else (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
+        if self.dkdv is None:
+            self._make_launches(dkdv_args, dq_args)
+        self.dkdv(*dkdv_args)
+        if self.one_pass:  # dQ summed in fp32 by the adds, rounded to the work dtype once
+            dq = dq_acc if work == dq_acc.dtype else dq_acc.to(work)
+        else:
+            self.dq(*dq_args)
+        if out is not None:
+            for target, grad in zip(out, (dq, dk, dv)):
+                if target is not grad:
+                    target.copy_(grad)
+            return out
+        if work == self.dtype:
+            return dq, dk, dv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _make_launches(self, dkdv_args, dq_args) -> None:
+        dkdv_blocks, dq_blocks = self.blocks
+        if self.table is not None:  # the measured table, fitted to this GPU
+            dkdv_blocks = dkdv_blocks or fit.choose(dkdv_kernel, tuning.gpu_candidates(
+                "fused" if self.one_pass else "dkdv", **self.table), dkdv_args, self.meta)
+            if not self.one_pass:
+                dq_blocks = dq_blocks or fit.choose(dq_kernel, tuning.gpu_candidates("dq", **self.table), dq_args,
+                                                    self.meta)
+        n_bh = self.q_shape[0] * self.q_shape[1]
+        heads, n_q, n_k = self.sizes
+        self.dkdv = _cached_launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh,
+                                   dkdv_blocks, self.meta, self.cache)
+        if not self.one_pass:
+            self.dq = _cached_launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh,
+                                     dq_blocks, self.meta, self.cache)
 
 
 def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
@@ -395,64 +518,5 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float,
     Returns:
         ``(dq, dk, dv)``, contiguous, shaped like q, k, v, in their dtype (``out`` when given).
     """
-    interpreted = _rt.interpreted
-    work = compute_dtype(q.dtype, interpreted)
-    dow, qw, kw, vw, ow = (x.to(work) for x in (do, q, k, v, o))
-    batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    n_bh = batch * heads
-    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
-    meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), ACC_DTYPE=acc_dtype)
-
-    delta = torch.empty_like(lse)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D
-    preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK_M) * n_bh,)](
-        ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, **meta, BLOCK_M=PREPROCESS_BLOCK_M)
-
-    # the one-pass backward unless asked for reproducible bits, replaying a mistake (chapter 07's
-    # models are the two kernels), or where it does not pay on a GPU (tuning.one_pass_pays)
-    one_pass = not deterministic and mistake is None and (
-        interpreted or tuning.one_pass_pays(max(n_q, n_k), padded_head_dim(d), causal))
-    if out is not None and all(x.dtype == work for x in out):
-        dq, dk, dv = out
-    else:
-        dq = None if one_pass else torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-        dk = torch.empty((batch, heads, n_k, d), dtype=work, device=q.device)
-        dv = torch.empty_like(dk)
-    meta.update(CAUSAL=bool(causal), DOT_PRECISION=precision)
-    if mistake is not None:
-        meta.update(MISTAKE=MISTAKE_CODES[mistake])
-    dq_acc = dk  # the two-kernel backward passes a placeholder the kernel never touches
-    if one_pass:
-        dq_acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float64 if work == torch.float64 else torch.float32,
-                             device=q.device)
-        meta.update(DQ_MODE=dq_mode(q, d, interpreted))
-        if meta["DQ_MODE"] == DQ_TMA.value:
-            from course_lib.kernels.hopper import ensure_descriptor_allocator
-
-            ensure_descriptor_allocator()  # the kernel makes its descriptor of dq_acc on the device
-    common = (*qw.stride(), *kw.stride(), *vw.stride(), *dow.stride())
-    scalars = (heads, n_q, n_k, scale, scale * LOG2_E_FLOAT)
-    if interpreted:
-        dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
-        dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
-    dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), dq_acc, *scalars)
-    dq_args = None if one_pass else (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
-    if not interpreted and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
-        table = dict(head_dim=meta["HEAD_DIM"], element_size=qw.element_size(), seq_len=max(n_q, n_k),
-                     causal=causal)
-        dkdv_blocks = dkdv_blocks or fit.choose(dkdv_kernel, tuning.gpu_candidates(
-            "fused" if one_pass else "dkdv", **table), dkdv_args, meta)
-        if not one_pass:
-            dq_blocks = dq_blocks or fit.choose(dq_kernel, tuning.gpu_candidates("dq", **table), dq_args, meta)
-    _launch(dkdv_kernel, dkdv_kernel_tuned, lambda bm, bn: triton.cdiv(n_k, bn) * n_bh, dkdv_blocks,
-            dkdv_args, meta)
-    if one_pass:  # dQ summed in fp32 by the adds, rounded to the work dtype once
-        dq = dq_acc if work == dq_acc.dtype else dq_acc.to(work)
-    else:
-        _launch(dq_kernel, dq_kernel_tuned, lambda bm, bn: triton.cdiv(n_q, bm) * n_bh, dq_blocks, dq_args, meta)
-    if out is not None:
-        for target, grad in zip(out, (dq, dk, dv)):
-            if target is not grad:
-                target.copy_(grad)
-        return out
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return BackwardLaunch(q, k, v, causal, dkdv_blocks, dq_blocks, mistake=mistake, deterministic=deterministic)(
+        do, q, k, v, o, lse, scale, out=out)

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from course_lib import constants, runtime
 from course_lib.decoding import num_splits_to_fill
-from course_lib.kernels import fit, tiles, tuning
+from course_lib.kernels import fit, ops, tiles, tuning
 from course_lib.kernels.api import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
 from course_lib.kernels.forward import compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E, MASK_VALUE
@@ -356,12 +356,21 @@ def flash_decode_triton(q, k, v, splits: int | None = None, scale: float | None 
         natural log.
     """
     validate_decode_inputs(q, k, v, splits, scale)
-    shrink_block_n = block_n is None
-    block_n = DECODE_BLOCK_N if block_n is None else block_n
-    if (isinstance(block_n, bool) or not isinstance(block_n, numbers.Integral) or block_n < MIN_BLOCK_M
-            or block_n & (block_n - 1)):
+    if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, numbers.Integral)
+                                or block_n < MIN_BLOCK_M or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= {MIN_BLOCK_M}, got {block_n!r}")
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():  # one opaque node for the compiler (course_lib.kernels.ops)
+        return ops.flash_decode(q, k, v, splits, scale, block_n, grouped)
+    return _flash_decode(q, k, v, splits, scale, block_n, grouped)
+
+
+@ops.implementation("flash_decode")
+def _flash_decode(q, k, v, splits, scale: float, block_n, grouped):
+    """``(o, lse)`` of a checked :func:`flash_decode_triton` call (also ``course::flash_decode``'s
+    implementation); ``block_n`` None: :data:`DECODE_BLOCK_N`, shrunk where this GPU needs it."""
+    shrink_block_n = block_n is None
+    block_n = DECODE_BLOCK_N if block_n is None else block_n
     q4 = q if q.dim() == 4 else q[:, :, None, :]  # (B, H, n_q, d), a view
     batch, heads, n_q, d = q4.shape
     n_kv_heads = k.shape[1]

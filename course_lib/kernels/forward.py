@@ -38,6 +38,7 @@ import triton.language as tl
 
 from course_lib import constants, runtime
 from course_lib.kernels import fit, tiles, tuning
+from course_lib.kernels.launch import CachedLaunch
 from course_lib.kernels.tiles import LN_2, MASK_VALUE
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -182,6 +183,62 @@ def kernel_dtypes(dtype: torch.dtype, head_dim: int | None = None, forward_pass:
     return acc, fp32_dot_precision(head_dim, forward_pass) if dtype == torch.float32 else "tf32"
 
 
+class ForwardLaunch:
+    """The forward kernel's launch for one call signature: dtypes, constexprs, launch config and grid,
+    worked out once (the library's launch plans keep one per signature, :mod:`course_lib.kernels.plan`).
+
+    Args:
+        q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``: their shapes, strides and dtype are the
+            signature; every call must match them.
+        causal, blocks: as :func:`attention_forward`.
+        cache: launch later calls by the compiled kernel's handle (:class:`~course_lib.kernels.launch.CachedLaunch`).
+    """
+
+    def __init__(self, q, k, v, causal: bool, blocks: tuning.Blocks | None = None, cache: bool = False):
+        interpreted = _rt.interpreted
+        self.dtype, self.work, self.device, self.cache = q.dtype, compute_dtype(q.dtype, interpreted), q.device, cache
+        batch, heads, n_q, d = q.shape
+        n_k = k.shape[2]
+        self.o_shape, self.lse_shape = (batch, heads, n_q, d), (batch, heads, n_q)
+        self.lse_dtype = torch.float64 if self.work == torch.float64 else torch.float32
+        head_dim = padded_head_dim(d)
+        acc_dtype, precision = kernel_dtypes(self.work, head_dim, forward_pass=True)
+        self.meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=head_dim, CAUSAL=bool(causal), ACC_DTYPE=acc_dtype,
+                         DOT_PRECISION=precision, ORDER=tuning.causal_order() if causal else 0)
+        self.sizes = (heads, n_q, n_k)
+        self.n_programs = lambda block_m: triton.cdiv(n_q, block_m) * batch * heads
+        if blocks is None and interpreted:
+            blocks = tuning.INTERPRETER_FORWARD
+        self.blocks, self.candidates = blocks, None
+        if blocks is None and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
+            self.candidates = tuning.gpu_candidates("forward", head_dim, self.work.itemsize, seq_len=max(n_q, n_k),
+                                                    causal=causal)
+        self.launch = None  # made at the first call: fitting the table's config needs real arguments
+
+    def __call__(self, q, k, v, scale: float):
+        """``(o, lse)`` of :func:`attention_forward` for inputs of this signature."""
+        qw, kw, vw = (q, k, v) if self.work == self.dtype else (x.to(self.work) for x in (q, k, v))
+        o = torch.empty(self.o_shape, dtype=self.work, device=self.device)
+        lse = torch.empty(self.lse_shape, device=self.device, dtype=self.lse_dtype)
+        args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(), *self.sizes,
+                scale * LOG2_E_FLOAT)
+        (self.launch or self._make_launch(args))(*args)
+        return (o if self.work == self.dtype else o.to(self.dtype)), lse
+
+    def _make_launch(self, args) -> CachedLaunch:
+        blocks = self.blocks
+        if blocks is None and self.candidates is not None:
+            blocks = fit.choose(attention_forward_kernel, self.candidates, args, self.meta)
+        if blocks is not None:
+            meta = dict(self.meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
+                        num_stages=blocks.num_stages)
+            self.launch = CachedLaunch(attention_forward_kernel, (self.n_programs(blocks.block_m),), meta, self.cache)
+        else:
+            self.launch = CachedLaunch(attention_forward_kernel_tuned,
+                                       lambda cfg: (self.n_programs(cfg["BLOCK_M"]),), self.meta)
+        return self.launch
+
+
 def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None):
     """Run the forward kernel on ``(B, H, N, d)`` views.
 
@@ -195,32 +252,4 @@ def attention_forward(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks
         ``(o, lse)``: ``o`` ``(B, H, N_q, d)`` contiguous in q's dtype; ``lse`` ``(B, H, N_q)``
         float32 (float64 for float64 inputs), natural log.
     """
-    interpreted = _rt.interpreted
-    work = compute_dtype(q.dtype, interpreted)
-    qw, kw, vw = (x.to(work) for x in (q, k, v))  # no copy unless bf16 in the interpreter
-    batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d), forward_pass=True)
-    lse = torch.empty((batch, heads, n_q), device=q.device,
-                      dtype=torch.float64 if work == torch.float64 else torch.float32)
-    args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(),
-            heads, n_q, n_k, scale * LOG2_E_FLOAT)
-    meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=padded_head_dim(d), CAUSAL=bool(causal), ACC_DTYPE=acc_dtype,
-                DOT_PRECISION=precision, ORDER=tuning.causal_order() if causal else 0)
-    if blocks is None and interpreted:
-        blocks = tuning.INTERPRETER_FORWARD
-    elif blocks is None and not tuning.autotune_enabled():  # the measured table, fitted to this GPU
-        blocks = fit.choose(attention_forward_kernel,
-                            tuning.gpu_candidates("forward", meta["HEAD_DIM"], qw.element_size(),
-                                                  seq_len=max(n_q, n_k), causal=causal), args, meta)
-    if blocks is not None:
-        grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
-        attention_forward_kernel[grid](*args, **meta, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
-                                       num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    else:
-        def grid(cfg):
-            return (triton.cdiv(n_q, cfg["BLOCK_M"]) * batch * heads,)
-
-        attention_forward_kernel_tuned[grid](*args, **meta)
-    return o.to(q.dtype), lse
+    return ForwardLaunch(q, k, v, causal, blocks)(q, k, v, scale)

@@ -63,7 +63,8 @@ import torch
 import triton
 
 from course_lib.blockmask import UNBOUNDED
-from course_lib.kernels import gluon_hopper, gluon_masked
+from course_lib.kernels import compat, gluon_hopper, gluon_masked
+from course_lib.kernels.launch import CachedLaunch
 
 try:
     from triton.experimental import gluon
@@ -79,10 +80,16 @@ HEAD_DIMS = (64, 128)
 # atomics; each thread holds 2 neighbouring columns), or after a layout change through shared
 # memory (16-byte atomics). Measured on an H100 (NOTES.md): the wide adds are 10% faster.
 DQ_BY_CONSUMER, DQ_BY_CONSUMER_WIDE = 0, 1
-SPILL_BYTES_ALLOWED = 64  # a few scalars; measured by tests/test_gluon_backward.py
+# Spilled bytes per thread that tests/test_gluon_backward.py allows: a few scalars, never a tile.
+# Cross-compiled for sm_90 at d=128 (2026-11): 48 B with Triton 3.6.0, 40 with 3.7.1 and 3.8.0, 144
+# with 3.9.0, whose register allocator keeps fewer of the loop's scalars in the consumers' 240
+# registers (0 at d=64 with every version; 3.9's cost on an H100 is not measured).
+_NEWER_ALLOCATOR = compat.triton_version() >= (3, 9)
+SPILL_BYTES_ALLOWED = 160 if _NEWER_ALLOCATOR else 64
 # The masked kernel keeps the lists' pointers and counters live across its loops: 136 bytes
-# measured (documents + band, Triton 3.7.1), 200 with a dense element mask (3.6.0)
-MASKED_SPILL_BYTES_ALLOWED = 256
+# measured (documents + band, Triton 3.7.1), 192-200 with a dense element mask (3.7.1, 3.6.0);
+# 272 and 280 with 3.9.0
+MASKED_SPILL_BYTES_ALLOWED = 320 if _NEWER_ALLOCATOR else 256
 CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "num_warps": 8, "LOADER_REGS": 24,
           "DQ_MODE": DQ_BY_CONSUMER_WIDE,
           "STATS_ASYNC": 1}
@@ -93,15 +100,17 @@ if gluon_hopper.available():
     LOG2_E_GL = gl.constexpr(LOG2_E)
     UNBOUNDED_GL = gl.constexpr(UNBOUNDED)
     DQ_BY_CONSUMER_WIDE_GL = gl.constexpr(DQ_BY_CONSUMER_WIDE)
-    # A barrier of the partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7.
-    _sync_warps = getattr(gl, "barrier", None) or gl.thread_barrier
+    # Names whose spelling depends on the Triton version (course_lib/kernels/compat.py): a barrier of
+    # the partition's warps, the TMA copies, cp.async.
+    from course_lib.kernels.compat import cp_async_load, tma_load, tma_store
+    from course_lib.kernels.compat import sync_warps as _sync_warps
 
     @gluon.jit
     def _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n):
         """K and V of the program's key tile, once, by TMA (``kv_bar`` says they have landed)."""
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h, start_n, 0], kv_bar, k4)
-        tma.async_copy_global_to_shared(v_desc, [b, h, start_n, 0], kv_bar, v4)
+        tma_load(k_desc, [b, h, start_n, 0], kv_bar, k4)
+        tma_load(v_desc, [b, h, start_n, 0], kv_bar, v4)
 
     @gluon.jit
     def _bwd_load(t, row0, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA,
@@ -114,14 +123,14 @@ if gluon_hopper.available():
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, row0, 0], bar, q_ring.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [b, h, row0, 0], bar, do_ring.index(slot))
+        tma_load(q_desc, [b, h, row0, 0], bar, q_ring.index(slot))
+        tma_load(do_desc, [b, h, row0, 0], bar, do_ring.index(slot))
         if STATS_ASYNC:
             stat_l: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
             offs = row0 + gl.arange(0, BLOCK_M, layout=stat_l)
             inside = offs < n_q  # rows past N read as 0: harmless, their Q and dO rows are zeros
-            async_copy.async_copy_global_to_shared(lse_ring.index(slot), LSE + stats + offs, mask=inside)
-            async_copy.async_copy_global_to_shared(delta_ring.index(slot), DELTA + stats + offs, mask=inside)
+            cp_async_load(lse_ring.index(slot), LSE + stats + offs, mask=inside)
+            cp_async_load(delta_ring.index(slot), DELTA + stats + offs, mask=inside)
             async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
@@ -337,8 +346,8 @@ if gluon_hopper.available():
         v_smem.store(dv.to(dtype))
         fence_async_shared()
         _sync_warps()
-        tma.async_copy_shared_to_global(dk_desc, [b, h, start_n, 0], k4)
-        tma.async_copy_shared_to_global(dv_desc, [b, h, start_n, 0], v4)
+        tma_store(dk_desc, [b, h, start_n, 0], k4)
+        tma_store(dv_desc, [b, h, start_n, 0], v4)
         tma.store_wait(0)
 
     @gluon.jit
@@ -479,22 +488,66 @@ def library_uses_gluon_backward(q, k, v, o, do) -> bool:
     return gluon_backward_unsupported_reason(q, k, v, o, do) is None
 
 
-def _delta(o, do, lse):
-    """Δ = rowsum(dO ∘ O), ``(B, H, N)`` float32, by chapter 07's preprocess kernel (zeros while
-    cross-compiling: no kernel but the backward's may touch the stand-in driver)."""
-    from course_lib.kernels.backward import PREPROCESS_BLOCK_M, preprocess_kernel
-
-    if gluon_hopper._compiling_only():
-        return torch.zeros_like(lse)
-    batch, heads, n, d = o.shape
-    delta = torch.empty_like(lse)
-    preprocess_kernel[(triton.cdiv(n, PREPROCESS_BLOCK_M) * batch * heads,)](
-        o, do, delta, *o.stride(), *do.stride(), heads, n, HEAD_DIM_REAL=d, HEAD_DIM=d,
-        ACC_DTYPE=triton.language.float32, BLOCK_M=PREPROCESS_BLOCK_M)
-    return delta
+def _check_lse(caller: str, lse, q) -> None:
+    """ValueError unless ``lse`` is the forward's: float32, contiguous, shaped like ``q`` without d."""
+    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"{caller}: lse must be float32 contiguous {tuple(q.shape[:-1])}, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
 
 
-def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, config: dict | None = None):
+def _delta_launch(o, cache: bool = False):
+    """The preprocess kernel's launch for ``o``'s signature (chapter 07's, accumulating in fp32), or
+    None while cross-compiling (no kernel but the backward's may touch the stand-in driver)."""
+    from course_lib.kernels.backward import delta_launch
+
+    return None if gluon_hopper._compiling_only() else delta_launch(o.shape, triton.language.float32, cache)
+
+
+def _delta(o, do, lse, launch):
+    """Δ = rowsum(dO ∘ O), ``(B, H, N)`` float32, by ``launch`` (:func:`_delta_launch`; zeros when
+    it is None: cross-compiling)."""
+    from course_lib.kernels.backward import run_delta
+
+    return torch.zeros_like(lse) if launch is None else run_delta(launch, o, do, lse)
+
+
+class BackwardLaunch:
+    """:func:`attention_backward_gluon` for one call signature: the inputs checked, config, grid,
+    constexprs and the Δ launch worked out once (the library's launch plans keep one per signature,
+    :mod:`course_lib.kernels.plan`).
+
+    Args:
+        q, k, v, o, do, lse, causal, config: as :func:`attention_backward_gluon`.
+        cache: launch later calls by the compiled kernels' handles, with the first call's descriptors.
+
+    Raises:
+        ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
+    """
+
+    def __init__(self, q, k, v, o, do, lse, causal: bool, config: dict | None = None, cache: bool = False):
+        why = gluon_backward_unsupported_reason(q, k, v, o, do)
+        if why:
+            raise ValueError(f"attention_backward_gluon: q, k, v, o, do: {why}")
+        _check_lse("attention_backward_gluon", lse, q)
+        batch, heads, n, d = q.shape
+        cfg = {**CONFIG, **(config or {})}
+        self.shape, self.dtype, self.device, self.sizes = (batch, heads, n, d), q.dtype, q.device, (heads, n, n)
+        self.compiling_only = gluon_hopper._compiling_only()
+        self.delta = _delta_launch(o, cache)
+        m, n_rows = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        self.descriptors = gluon_hopper.Descriptors((m, n_rows, n_rows, m, n_rows, n_rows), cache)  # q k v do dk dv
+        self.launch = CachedLaunch(attention_backward_gluon_kernel, (triton.cdiv(n, n_rows), batch * heads), dict(
+            HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n_rows, STAGES=cfg["STAGES"], CAUSAL=bool(causal), DQ_MODE=cfg["DQ_MODE"],
+            STATS_ASYNC=cfg["STATS_ASYNC"], LOADER_REGS=cfg["LOADER_REGS"], num_warps=cfg["num_warps"]), cache)
+
+    def __call__(self, q, k, v, do, dk, dv, lse, delta, dq_acc, scale: float):
+        """Launch into ``dk``, ``dv`` and ``dq_acc``; return the compiled kernel."""
+        return self.launch(*self.descriptors(q, k, v, do, dk, dv), lse, delta, dq_acc, *self.sizes, scale,
+                           scale * LOG2_E)
+
+
+def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, config: dict | None = None,
+                             launch: BackwardLaunch | None = None):
     """``(dq, dk, dv)`` of attention with the Gluon one-pass kernel, in q's dtype, contiguous.
 
     Args:
@@ -502,30 +555,23 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
             stand-in driver that only compiles), d = 128, TMA-readable strides.
         lse: ``(B, H, N)`` float32 contiguous, the natural-log log-sum-exp of the forward.
         causal, scale: as in the forward.
+        launch: a :class:`BackwardLaunch` made for these inputs' call signature (the library's
+            launch plans keep one); None: made here.
 
     Raises:
         ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
     """
-    why = gluon_backward_unsupported_reason(q, k, v, o, do)
-    if why:
-        raise ValueError(f"attention_backward_gluon: q, k, v, o, do: {why}")
-    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"attention_backward_gluon: lse must be float32 contiguous {tuple(q.shape[:-1])}, "
-                         f"got {lse.dtype} {tuple(lse.shape)}")
-    batch, heads, n, d = q.shape
-    cfg = {**CONFIG, **(config or {})}
-    delta = _delta(o, do, lse)
-    dq_acc = torch.zeros((batch, heads, n, d), dtype=torch.float32, device=q.device)
-    dk = torch.empty((batch, heads, n, d), dtype=q.dtype, device=q.device)
+    launch = launch or BackwardLaunch(q, k, v, o, do, lse, causal, config)
+    delta = _delta(o, do, lse, launch.delta)
+    dq_acc = torch.zeros(launch.shape, dtype=torch.float32, device=launch.device)
+    dk = torch.empty(launch.shape, dtype=launch.dtype, device=launch.device)
     dv = torch.empty_like(dk)
-    desc = gluon_hopper._descriptor
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), batch * heads)
-    kernel = attention_backward_gluon_kernel[grid](
-        desc(q, cfg["BLOCK_M"]), desc(k, cfg["BLOCK_N"]), desc(v, cfg["BLOCK_N"]), desc(do, cfg["BLOCK_M"]),
-        desc(dk, cfg["BLOCK_N"]), desc(dv, cfg["BLOCK_N"]), lse, delta, dq_acc, heads, n, n, scale,
-        scale * LOG2_E, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
-        CAUSAL=bool(causal), DQ_MODE=cfg["DQ_MODE"], STATS_ASYNC=cfg["STATS_ASYNC"], LOADER_REGS=cfg["LOADER_REGS"],
-        num_warps=cfg["num_warps"])
+    with compat.FallBack("the Gluon backward", strict=launch.compiling_only) as attempt:
+        kernel = launch(q, k, v, do, dk, dv, lse, delta, dq_acc, scale)
+    if attempt.failed:  # this Triton cannot compile it (warned once): chapter 07's Triton backward
+        from course_lib.kernels.backward import attention_backward
+
+        return attention_backward(do, q, k, v, o, lse, causal, scale)
     attention_backward_gluon.last_kernel = kernel
     return dq_acc.to(q.dtype), dk, dv
 
@@ -599,14 +645,12 @@ def masked_backward_gluon(do, q, k, v, o, lse, scale: float, plan, config: dict 
     why = masked_backward_unsupported_reason(q, k, v, o, do, plan)
     if why:
         raise ValueError(f"masked_backward_gluon: q, k, v, o, do, plan: {why}")
-    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"masked_backward_gluon: lse must be float32 contiguous {tuple(q.shape[:-1])}, "
-                         f"got {lse.dtype} {tuple(lse.shape)}")
+    _check_lse("masked_backward_gluon", lse, q)
     batch, heads, n_q, d = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     cfg = {**CONFIG, **(config or {})}
     bmask = plan.block_mask
-    delta = _delta(o, do, lse)
+    delta = _delta(o, do, lse, _delta_launch(o))
     dq_acc = torch.zeros((batch, heads, n_q, d), dtype=torch.float32, device=q.device)
     dk = torch.empty((batch, n_kv_heads, n_k, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
@@ -620,15 +664,18 @@ def masked_backward_gluon(do, q, k, v, o, lse, scale: float, plan, config: dict 
     lo, hi = gluon_masked._window_band(plan, n_q, n_k)
     desc = gluon_hopper._descriptor
     grid = (bmask.shape[-1], batch * n_kv_heads)
-    kernel = masked_backward_gluon_kernel[grid](
-        desc(q, cfg["BLOCK_M"]), desc(k, cfg["BLOCK_N"]), desc(v, cfg["BLOCK_N"]), desc(do, cfg["BLOCK_M"]),
-        desc(dk, cfg["BLOCK_N"]), desc(dv, cfg["BLOCK_N"]), lse, delta, dq_acc,
-        *lists, gluon_masked.tile_order(bmask, transposed=True), *docs, *mask,
-        heads, n_kv_heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale, scale * LOG2_E,
-        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bmask.block_n, STAGES=cfg["STAGES"], DQ_MODE=cfg["DQ_MODE"],
-        STATS_ASYNC=cfg["STATS_ASYNC"], SPARSE_M=bmask.block_m, BAND=2 if rule_meta["BAND"] else 0,
-        DOCS=rule_meta["DOCS"], DENSE_MASK=rule_meta["DENSE_MASK"], LOADER_REGS=cfg["LOADER_REGS"],
-        num_warps=cfg["num_warps"])
+    with compat.FallBack("the Gluon masked backward", strict=gluon_hopper._compiling_only()) as launch:
+        kernel = masked_backward_gluon_kernel[grid](
+            desc(q, cfg["BLOCK_M"]), desc(k, cfg["BLOCK_N"]), desc(v, cfg["BLOCK_N"]), desc(do, cfg["BLOCK_M"]),
+            desc(dk, cfg["BLOCK_N"]), desc(dv, cfg["BLOCK_N"]), lse, delta, dq_acc,
+            *lists, gluon_masked.tile_order(bmask, transposed=True), *docs, *mask,
+            heads, n_kv_heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale, scale * LOG2_E,
+            HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bmask.block_n, STAGES=cfg["STAGES"], DQ_MODE=cfg["DQ_MODE"],
+            STATS_ASYNC=cfg["STATS_ASYNC"], SPARSE_M=bmask.block_m, BAND=2 if rule_meta["BAND"] else 0,
+            DOCS=rule_meta["DOCS"], DENSE_MASK=rule_meta["DENSE_MASK"], LOADER_REGS=cfg["LOADER_REGS"],
+            num_warps=cfg["num_warps"])
+    if launch.failed:  # this Triton cannot compile it (warned once): the Triton masked backward (Gluon is off now)
+        return masked.masked_backward(do, q, k, v, o, lse, scale, plan, deterministic=False)
     masked_backward_gluon.last_kernel = kernel
     return dq_acc.to(q.dtype), dk, dv
 

@@ -35,8 +35,9 @@ Not covered (the launcher raises ValueError): head dims other than 64 and 128, d
 fp16/bf16, ``N_q != N_k``, tensors TMA cannot read (see :func:`gluon_unsupported_reason`).
 Which variant is fastest is for the H100 to say (``tools/gluon_forward.py``).
 
-Gluon is experimental and changed between Triton 3.6 and 3.7; everything below compiles under
-both (``tests/test_gluon_hopper.py`` cross-compiles each variant for sm_90 without a GPU).
+Gluon is experimental and its names moved between Triton 3.6 and 3.9: the ones that moved come from
+:mod:`course_lib.kernels.compat`, and everything below compiles under each
+(``tests/test_gluon_hopper.py`` cross-compiles each variant for sm_90 without a GPU).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import torch
 import triton
 
 from course_lib import constants
+from course_lib.kernels import compat
+from course_lib.kernels.launch import CachedLaunch, rebased
 
 try:  # Gluon is experimental: a Triton without it keeps the rest of the library working
     from triton.experimental import gluon
@@ -54,6 +57,10 @@ try:  # Gluon is experimental: a Triton without it keeps the rest of the library
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if compat.API_ERROR:  # a name the kernels use moved in a way compat.SPELLINGS does not know
+        raise ImportError(compat.API_ERROR)
+    from course_lib.kernels.compat import tma_load, tma_store  # their spelling depends on the Triton version
     GLUON_IMPORT_ERROR = None
 except ImportError as err:  # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"triton {triton.__version__} has no usable gluon: {err}"
@@ -145,7 +152,7 @@ if GLUON_IMPORT_ERROR is None:
         pred = t < n_tiles
         bar = bars.index(BAR0 + slot)
         mbarrier.expect(bar, desc.block_type.nbytes, pred)
-        tma.async_copy_global_to_shared(desc, [b, h, t * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
+        tma_load(desc, [b, h, t * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2, s_layout: gl.constexpr,
@@ -325,7 +332,7 @@ if GLUON_IMPORT_ERROR is None:
         ``lse`` (one value per row, natural log) by a masked pointer store."""
         o_smem4.reshape([BLOCK_M, HEAD_DIM]).store(o.to(o_desc.dtype))
         fence_async_shared()  # the stores above, made by threads, are visible to the TMA engine
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_smem4)
+        tma_store(o_desc, [b, h, row0, 0], o_smem4)
         rows = row0 + gl.arange(0, BLOCK_M, layout=lse.type.layout)
         gl.store(LSE + pid_bh * n_q + rows, lse, mask=rows < n_q)
         tma.store_wait(0)  # the shared-memory buffer must outlive the copy
@@ -382,7 +389,7 @@ if GLUON_IMPORT_ERROR is None:
 
         mbarrier.expect(q_bar, Q_BLOCKS * q_desc.block_type.nbytes)
         for i in gl.static_range(Q_BLOCKS):
-            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * Q_ROWS, 0], q_bar, q_bufs.index(i))
+            tma_load(q_desc, [b, h, start_m + i * Q_ROWS, 0], q_bar, q_bufs.index(i))
         return q_bufs, k_ring, v_ring, ready, empty, q_bar, turn
 
     @gluon.jit
@@ -458,6 +465,8 @@ def gluon_unsupported_reason(q, k, v) -> str | None:
     """Why :func:`attention_forward_gluon` cannot take these inputs, or None if it can."""
     if GLUON_IMPORT_ERROR is not None:
         return GLUON_IMPORT_ERROR
+    if compat.gluon_failure() is not None:  # a Gluon kernel did not compile with this Triton: all are off
+        return compat.gluon_failure()
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the kernel uses Hopper's wgmma and TMA: it needs a GPU of compute capability 9.x"
     if q.device.type != "cuda" and not _compiling_only():
@@ -500,15 +509,75 @@ def _compiling_only() -> bool:
     return isinstance(driver._active, StandInDriver)
 
 
+_SHARED_LAYOUTS: dict = {}  # (tile rows, head dim, dtype) -> the NVMMA shared layout of a [1, 1, rows, d] tile
+
+
 def _descriptor(x: torch.Tensor, rows: int):
     """A Gluon host-side TMA descriptor of the (B, H, N, d) tensor ``x`` whose block is one tile
     ``[1, 1, rows, d]``, laid out in shared memory the way wgmma reads it."""
     block = [1, 1, rows, x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(x.dtype).split(".")[-1]))
+    layout = _SHARED_LAYOUTS.get((rows, x.shape[-1], x.dtype))
+    if layout is None:  # a layout object is slow to make (its checks): one per tile shape and dtype
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(x.dtype).split(".")[-1]))
+        _SHARED_LAYOUTS[rows, x.shape[-1], x.dtype] = layout
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
-def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, variant: str = "ws"):
+class Descriptors:
+    """The descriptors of one launch site's tensors, tile rows ``rows`` each: checked and made at the
+    first call; with ``cache`` (the tensors of every later call have the first call's shapes,
+    strides, dtypes and alignment: one call signature), later calls copy them onto their tensors
+    (:func:`~course_lib.kernels.launch.rebased`) without checking them again."""
+
+    __slots__ = ("rows", "cache", "templates")
+
+    def __init__(self, rows: tuple, cache: bool = False):
+        self.rows, self.cache, self.templates = rows, cache, None
+
+    def __call__(self, *tensors) -> list:
+        if self.templates is not None:
+            return [rebased(t, x) for t, x in zip(self.templates, tensors)]
+        descs = [_descriptor(x, rows) for x, rows in zip(tensors, self.rows)]
+        if self.cache:
+            self.templates = descs
+        return descs
+
+
+class ForwardLaunch:
+    """:func:`attention_forward_gluon` for one call signature: the inputs checked, config, grid and
+    constexprs worked out once (the library's launch plans keep one per signature,
+    :mod:`course_lib.kernels.plan`).
+
+    Args:
+        q, k, v, causal, variant: as :func:`attention_forward_gluon`.
+        cache: launch later calls by the compiled kernel's handle, with the first call's descriptors.
+
+    Raises:
+        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`).
+    """
+
+    def __init__(self, q, k, v, causal: bool, variant: str = "ws", cache: bool = False):
+        why = gluon_unsupported_reason(q, k, v)
+        if why:
+            raise ValueError(f"attention_forward_gluon: q, k, v: {why}")
+        batch, heads, n, d = q.shape
+        cfg = config(variant, d)
+        self.o_shape, self.lse_shape = (batch, heads, n, d), (batch, heads, n)
+        self.dtype, self.device, self.sizes, self.compiling_only = q.dtype, q.device, (heads, n, n), _compiling_only()
+        self.descriptors = Descriptors((cfg["Q_ROWS"], cfg["BLOCK_N"], cfg["BLOCK_N"], cfg["Q_ROWS"]), cache)
+        grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads)
+        self.launch = CachedLaunch(attention_forward_gluon_kernel, grid, dict(
+            HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+            OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", PINGPONG=variant == "pingpong",
+            LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"]), cache)
+
+    def __call__(self, q, k, v, o, lse, scale: float):
+        """Launch into ``o`` and ``lse``; return the compiled kernel."""
+        return self.launch(*self.descriptors(q, k, v, o), lse, *self.sizes, scale * LOG2_E)
+
+
+def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, variant: str = "ws",
+                            launch: ForwardLaunch | None = None):
     """Attention forward with the Gluon kernel; ``(o, lse)`` as
     :func:`course_lib.kernels.hopper.attention_forward_tma` returns them (o in q's dtype, lse the
     natural-log log-sum-exp of each query's scaled scores, float32, ``(B, H, N)``).
@@ -518,27 +587,33 @@ def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, v
             only compiles), d in :data:`HEAD_DIMS`, TMA-readable strides.
         causal: query i sees keys j <= i. scale: default ``d ** -0.5``.
         variant: one of :data:`VARIANTS`.
+        launch: a :class:`ForwardLaunch` made for these inputs' call signature (the library's launch
+            plans keep one); None: made here.
 
     Raises:
         ValueError naming what is not covered (see :func:`gluon_unsupported_reason`).
     """
-    why = gluon_unsupported_reason(q, k, v)
-    if why:
-        raise ValueError(f"attention_forward_gluon: q, k, v: {why}")
-    batch, heads, n, d = q.shape
-    cfg = config(variant, d)
-    scale = d ** -0.5 if scale is None else scale
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads)
-    return_kernel = attention_forward_gluon_kernel[grid](
-        _descriptor(q, cfg["Q_ROWS"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        _descriptor(o, cfg["Q_ROWS"]), lse, heads, n, n, scale * LOG2_E,
-        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
-        OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", PINGPONG=variant == "pingpong",
-        LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"])
+    launch = launch or ForwardLaunch(q, k, v, causal, variant)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o = torch.empty(launch.o_shape, dtype=launch.dtype, device=launch.device)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=launch.device)
+    with compat.FallBack("the Gluon forward", strict=launch.compiling_only) as attempt:
+        return_kernel = launch(q, k, v, o, lse, scale)
+    if attempt.failed:  # this Triton cannot compile it (warned once): the library's Triton forward instead
+        return _triton_forward(q, k, v, causal, scale)
     attention_forward_gluon.last_kernel = return_kernel  # the compiled kernel: registers, PTX, SASS
     return o, lse
+
+
+def _triton_forward(q, k, v, causal: bool, scale: float):
+    """``(o, lse)`` from the forward :func:`course_lib.flash_attention` takes where the Gluon kernel is
+    off: chapter 09's TMA kernel where it applies (:func:`~course_lib.kernels.hopper.library_uses_tma`),
+    else chapter 06's."""
+    from course_lib.kernels import forward, hopper
+
+    if hopper.library_uses_tma(q, k, v):
+        return hopper.attention_forward_tma(q, k, v, causal, scale)
+    return forward.attention_forward(q, k, v, causal, scale)
 
 
 attention_forward_gluon.last_kernel = None

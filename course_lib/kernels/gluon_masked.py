@@ -29,12 +29,15 @@ from __future__ import annotations
 import torch
 
 from course_lib.blockmask import UNBOUNDED
+from course_lib.kernels import compat
 from course_lib.kernels import gluon_hopper as gh
 
 if gh.available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    from course_lib.kernels.compat import tma_load  # its spelling depends on the Triton version
 
 VARIANT = "pingpong"  # the design it is built on (gluon_hopper's config and register budgets)
 TILE = 128  # BLOCK_M = BLOCK_N of the kernel, and so of the block masks it takes
@@ -61,7 +64,7 @@ if gh.available():
         :func:`~course_lib.kernels.gluon_hopper._issue`, but at the listed tile's rows)."""
         bar = bars.index(BAR0 + t % STAGES)
         mbarrier.expect(bar, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [b, h, kv * BLOCK_N, 0], bar, ring.index(t % STAGES))
+        tma_load(desc, [b, h, kv * BLOCK_N, 0], bar, ring.index(t % STAGES))
 
     @gluon.jit
     def _masked_producer(k_desc, v_desc, k_ring, v_ring, ready, empty, b, h_kv, full_row, part_row, n_full,
@@ -355,14 +358,17 @@ def masked_forward_gluon(q, k, v, scale: float, plan, heaviest_first: bool = Tru
         mask[0] = mask[0].view(torch.uint8)  # the same bytes, loaded as integers
     lo, hi = _window_band(plan, n_q, n_k)
     grid = (bmask.shape[-2], batch * heads)
-    kernel = masked_forward_gluon_kernel[grid](
-        gh._descriptor(q, cfg["Q_ROWS"]), gh._descriptor(k, TILE), gh._descriptor(v, TILE),
-        gh._descriptor(o, cfg["Q_ROWS"]), lse, *lists, tile_order(bmask, heaviest_first), *docs,
-        *mask,
-        heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale * gh.LOG2_E,
-        HEAD_DIM=d, BLOCK_M=TILE, BLOCK_N=TILE, STAGES=cfg["STAGES"], BAND=rule_meta["BAND"], DOCS=rule_meta["DOCS"],
-        DENSE_MASK=rule_meta["DENSE_MASK"],
-        LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"])
+    with compat.FallBack("the Gluon masked forward", strict=gh._compiling_only()) as launch:
+        kernel = masked_forward_gluon_kernel[grid](
+            gh._descriptor(q, cfg["Q_ROWS"]), gh._descriptor(k, TILE), gh._descriptor(v, TILE),
+            gh._descriptor(o, cfg["Q_ROWS"]), lse, *lists, tile_order(bmask, heaviest_first), *docs,
+            *mask,
+            heads, heads // n_kv_heads, n_q, n_k, lo, hi, scale * gh.LOG2_E,
+            HEAD_DIM=d, BLOCK_M=TILE, BLOCK_N=TILE, STAGES=cfg["STAGES"], BAND=rule_meta["BAND"],
+            DOCS=rule_meta["DOCS"], DENSE_MASK=rule_meta["DENSE_MASK"],
+            LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"])
+    if launch.failed:  # this Triton cannot compile it (warned once): the Triton masked forward (Gluon is off now)
+        return masked.masked_forward(q, k, v, scale, plan)
     masked_forward_gluon.last_kernel = kernel
     return o, lse
 

@@ -42,6 +42,7 @@ import triton.language as tl
 from course_lib import runtime
 from course_lib.kernels import tiles, tuning
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
+from course_lib.kernels.launch import CachedLaunch, rebased
 from course_lib.kernels.tiles import LN_2, MASK_VALUE
 from course_lib.reference import default_scale
 
@@ -166,20 +167,73 @@ def default_blocks(head_dim: int, element_size: int, seq_len: int, causal: bool)
     return tuning.gpu_default("forward", head_dim, max(element_size, 2), seq_len=seq_len, causal=causal)
 
 
-def _launch(q, k, v, o, lse, qk_scale, v_scale, causal, qk_scale_log2, acc_dtype, precision, blocks,
-            two_stage, warp_specialize, fp8):
-    batch, heads, n_q, _ = q.shape
-    n_k = k.shape[2]  # fp8: k8 is not padded; the transposed V may be (its extra keys are masked)
-    head_dim = padded_head_dim(q.shape[-1])
-    grid = (triton.cdiv(n_q, blocks.block_m) * batch * heads,)
-    attention_forward_tma_kernel[grid](
-        _descriptor(q, blocks.block_m, head_dim), _descriptor(k, blocks.block_n, head_dim),
-        _descriptor(v, blocks.block_n, head_dim, transposed=fp8), _descriptor(o, blocks.block_m, head_dim),
-        lse, qk_scale, v_scale, heads, n_q, n_k, qk_scale_log2,
-        HEAD_DIM=head_dim, CAUSAL=bool(causal), ACC_DTYPE=acc_dtype, DOT_PRECISION=precision,
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, TWO_STAGE=two_stage, WARP_SPECIALIZE=warp_specialize,
-        FP8=fp8, ORDER=tuning.causal_order() if causal else 0, num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages)
+class _KernelLaunch:
+    """The descriptor kernel's launch for one call signature (shapes, strides, dtypes, alignment of
+    q, k, v, o): grid, constexprs and descriptor blocks worked out once; with ``cache``, later
+    calls copy the first call's checked descriptors onto their tensors and launch by the compiled
+    kernel's handle (:mod:`course_lib.kernels.launch`)."""
+
+    def __init__(self, q, k, causal, acc_dtype, precision, blocks: tuning.Blocks, two_stage: bool,
+                 warp_specialize: bool, fp8: bool, cache: bool = False):
+        batch, heads, n_q, _ = q.shape
+        n_k = k.shape[2]  # fp8: k8 is not padded; the transposed V may be (its extra keys are masked)
+        self.head_dim = padded_head_dim(q.shape[-1])
+        self.rows = (blocks.block_m, blocks.block_n, blocks.block_n, blocks.block_m)  # of q, k, v, o tiles
+        self.fp8, self.sizes, self.templates = fp8, (heads, n_q, n_k), None
+        meta = dict(HEAD_DIM=self.head_dim, CAUSAL=bool(causal), ACC_DTYPE=acc_dtype, DOT_PRECISION=precision,
+                    BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, TWO_STAGE=two_stage,
+                    WARP_SPECIALIZE=warp_specialize, FP8=fp8, ORDER=tuning.causal_order() if causal else 0,
+                    num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        self.launch = CachedLaunch(attention_forward_tma_kernel, (triton.cdiv(n_q, blocks.block_m) * batch * heads,),
+                                   meta, cache)
+
+    def __call__(self, q, k, v, o, lse, qk_scale, v_scale, qk_scale_log2):
+        tensors = (q, k, v, o)
+        if self.templates is None:
+            descs = [_descriptor(x, rows, self.head_dim, transposed=self.fp8 and i == 2)  # i == 2: v
+                     for i, (x, rows) in enumerate(zip(tensors, self.rows))]
+            if self.launch.cache:
+                self.templates = descs
+        else:
+            descs = [rebased(t, x) for t, x in zip(self.templates, tensors)]
+        self.launch(*descs, lse, qk_scale, v_scale, *self.sizes, qk_scale_log2)
+
+
+class TmaForwardLaunch:
+    """:func:`attention_forward_tma` for one call signature: the descriptor rules checked, dtypes and
+    launch config worked out once (the library's launch plans keep one per signature,
+    :mod:`course_lib.kernels.plan`).
+
+    Args:
+        q, k, v, causal, blocks, two_stage, warp_specialize: as :func:`attention_forward_tma`.
+        cache: launch later calls by the compiled kernel's handle, with the first call's descriptors.
+
+    Raises:
+        ValueError naming the tensor if it breaks the descriptor rules.
+    """
+
+    def __init__(self, q, k, v, causal: bool, blocks: tuning.Blocks | None = None, two_stage: bool = True,
+                 warp_specialize: bool = False, cache: bool = False):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            why = tma_unsupported_reason(x)
+            if why:
+                raise ValueError(f"attention_forward_tma: {name} cannot be read by a tensor descriptor: {why}")
+        self.dtype, self.work, self.device = q.dtype, compute_dtype(q.dtype, _rt.interpreted), q.device
+        batch, heads, n_q, d = q.shape
+        self.o_shape, self.lse_shape = (batch, heads, n_q, d), (batch, heads, n_q)
+        self.lse_dtype = torch.float64 if self.work == torch.float64 else torch.float32
+        acc_dtype, precision = kernel_dtypes(self.work, padded_head_dim(d))
+        if blocks is None:
+            blocks = default_blocks(padded_head_dim(d), self.work.itemsize, max(n_q, k.shape[2]), causal)
+        self.kernel = _KernelLaunch(q, k, causal, acc_dtype, precision, blocks, two_stage, warp_specialize,
+                                    fp8=False, cache=cache)
+
+    def __call__(self, q, k, v, scale: float):
+        qw, kw, vw = (q, k, v) if self.work == self.dtype else (x.to(self.work) for x in (q, k, v))
+        o = torch.empty(self.o_shape, dtype=self.work, device=self.device)
+        lse = torch.empty(self.lse_shape, device=self.device, dtype=self.lse_dtype)
+        self.kernel(qw, kw, vw, o, lse, lse, lse, scale * LOG2_E_FLOAT)
+        return (o if self.work == self.dtype else o.to(self.dtype)), lse
 
 
 def attention_forward_tma(q, k, v, causal: bool, scale: float, blocks: tuning.Blocks | None = None,
@@ -200,22 +254,7 @@ def attention_forward_tma(q, k, v, causal: bool, scale: float, blocks: tuning.Bl
     Raises:
         ValueError naming the tensor if it breaks the descriptor rules.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        why = tma_unsupported_reason(x)
-        if why:
-            raise ValueError(f"attention_forward_tma: {name} cannot be read by a tensor descriptor: {why}")
-    work = compute_dtype(q.dtype, _rt.interpreted)
-    qw, kw, vw = (x.to(work) for x in (q, k, v))
-    batch, heads, n_q, d = q.shape
-    o = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
-    acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
-    lse = torch.empty((batch, heads, n_q), device=q.device,
-                      dtype=torch.float64 if work == torch.float64 else torch.float32)
-    if blocks is None:
-        blocks = default_blocks(padded_head_dim(d), qw.element_size(), max(n_q, k.shape[2]), causal)
-    _launch(qw, kw, vw, o, lse, lse, lse, causal, scale * LOG2_E_FLOAT, acc_dtype, precision, blocks,
-            two_stage, warp_specialize, fp8=False)
-    return o.to(q.dtype), lse
+    return TmaForwardLaunch(q, k, v, causal, blocks, two_stage, warp_specialize)(q, k, v, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,8 +311,8 @@ def fp8_attention_forward(q, k, v, causal: bool = False, scale: float | None = N
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     if blocks is None:
         blocks = default_blocks(padded_head_dim(d), 2, max(n_q, k.shape[2]), causal)
-    _launch(q8, k8, vt8, o, lse, qk_scale, v_scale, causal, scale * LOG2_E_FLOAT, tl.float32, "tf32", blocks,
-            True, False, fp8=True)
+    _KernelLaunch(q8, k8, causal, tl.float32, "tf32", blocks, True, False, fp8=True)(
+        q8, k8, vt8, o, lse, qk_scale, v_scale, scale * LOG2_E_FLOAT)
     return o.to(q.dtype), lse
 
 
