@@ -9,6 +9,8 @@ the instructions the design is about. Whether it computes the right numbers need
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -133,7 +135,12 @@ def test_library_forward_takes_gluon_on_hopper(causal, monkeypatch):
 
     calls = []
     real = gh.attention_forward_gluon
-    monkeypatch.setattr(gh, "attention_forward_gluon", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    signature = inspect.signature(real)  # the plan passes the variant by position
+
+    def spy(*a, **kw):
+        calls.append(signature.bind(*a, **kw).arguments)
+        return real(*a, **kw)
+    monkeypatch.setattr(gh, "attention_forward_gluon", spy)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 3, 1111, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
