@@ -8,7 +8,11 @@ Three outcomes, one per call of :func:`check_function`:
   the rest of the notebook still runs;
 * **wrong** — :class:`ExerciseFailed` is raised with a diagnosis: exercise id, the case, shapes,
   max error, the first bad index and, when one of the known ``mistakes`` reproduces the learner's
-  output, the likely cause. In Jupyter only the diagnosis is shown, not a traceback.
+  output, the likely cause; then the differential diagnosis of :mod:`course_lib.diagnosis`,
+  from every case (each runs, even after a crash): what sets the failing cases apart, which
+  parts of the output are right, where the wrong entries lie, a known factor or transform, an
+  invariant of the math the answer breaks. In Jupyter only the diagnosis is shown, not a
+  traceback.
 
 Whatever the learner's code does, the check ends with one of those outcomes. It runs on copies of
 the case's inputs (an in-place ``q *= 2`` cannot poison the reference or later cases, and is
@@ -24,12 +28,14 @@ produce (those are off by O(1) relative error). A check can override them.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import functools
 import inspect
 import io
 import json
+import linecache
 import math
 import os
 import re
@@ -43,6 +49,9 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
+from course_lib import diagnosis
+from course_lib.diagnosis import is_tensor, to_numpy64  # noqa: F401 - part of this module's API
+
 # (atol, rtol) by dtype name. float64/float32 results of an exact algorithm agree with a float64
 # reference to ~1e-12 / ~1e-6; half precisions keep 11 (fp16) and 8 (bf16) mantissa bits, so
 # their rounding error is ~5e-4 and ~4e-3 relative to values of order 1.
@@ -54,6 +63,9 @@ TOLERANCES = {
 }
 
 DEFAULT_TIME_LIMIT_S = 60.0
+# An experiment of the differential diagnosis (a failing case rerun with one feature switched
+# off) may take this long at most: it adds evidence to a failure, never a wait of its own.
+EXPERIMENT_TIME_LIMIT_S = 10.0
 
 # What a check keeps of the learner's printing: the first OUTPUT_KEEP_CHARS characters (the rest
 # is only counted, so a print in a loop cannot fill memory), of which a diagnosis shows at most
@@ -65,7 +77,14 @@ OUTPUT_EXCERPT_LINE_CHARS = 120
 
 
 class ExerciseFailed(AssertionError):
-    """A learner's answer is wrong; the message is the diagnosis."""
+    """A learner's answer is wrong; the message is the diagnosis. ``evidence``: the lines of the
+    differential diagnosis and the other failing cases, when :func:`check_function` raised it."""
+
+    evidence: list = []
+    outcomes: list | None = None  # the diagnosis's evidence per case (course_lib.diagnosis)
+    experiments: dict | None = None  # and its experiments (course_lib.diagnosis.toggle)
+    output_names = None
+    headline: int | None = None
 
     def _render_traceback_(self):  # IPython shows this instead of the traceback
         return [f"\x1b[31m{line}\x1b[0m" if i == 0 else line
@@ -172,6 +191,9 @@ def learner_check(check: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         library = [] if _LIBRARY_ANSWERS_ALLOWED.get() else [
             a for a in _answers_in([*args, *kwargs.values()]) if is_library_object(a)]
+        if library:  # name them as the learner's cell does, not by the library's own names
+            library = _Handed(library, _names_in_cell(sys._getframe(1), check.__name__, args,
+                                                      kwargs, library))
         token = _LIBRARY_ANSWER.set(library or None)
         try:
             return check(*args, **kwargs)
@@ -202,18 +224,44 @@ class _LibraryAnswer(BaseException):
         self.exercise, self.fallback = exercise, fallback
 
 
+class _Handed(list):
+    """The library objects a check was handed, with the names the learner's cell gave them."""
+
+    def __init__(self, objects: Sequence[Any], names: Sequence[str]):
+        super().__init__(objects)
+        self.names = list(names)
+
+
+def _names_in_cell(frame, check_name: str, args: tuple, kwargs: dict,
+                   library: Sequence[Any]) -> list[str]:
+    """The names the calling line passes the ``library`` objects under (``block_sparse_kernel``
+    in ``block_sparse_kernel = ch10.check_block_sparse_kernel(block_sparse_kernel)``); [] when
+    the line cannot be read (no source) or passes expressions instead of names."""
+    try:
+        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, AttributeError):
+        return []
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and
+             (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == check_name]
+    if len(calls) != 1:
+        return []
+    call, names = calls[0], []
+    given = [*zip(call.args, args), *((k.value, kwargs.get(k.arg)) for k in call.keywords)]
+    for node, value in given:
+        if isinstance(node, ast.Name) and any(value is obj for obj in library):
+            names.append(node.id)
+    return names
+
+
 def _library_names(library: Sequence[Any]) -> str:
-    def name(obj):
-        for _ in range(6):
-            found = getattr(obj, "__name__", None)
-            if isinstance(found, str):
-                return found
-            inner = next((getattr(obj, a) for a in _WRAPPER_ATTRS if getattr(obj, a, None) is not None), None)
-            if inner is None:
-                return type(obj).__name__
-            obj = inner
-        return type(obj).__name__
-    return ", ".join(f"`{name(o)}`" for o in library)
+    """How "not done yet" names what it was handed: the learner's own names for it, else "the
+    answer this cell passed" (never the library's internal names, which the learner never
+    wrote)."""
+    names = getattr(library, "names", None)
+    if names:
+        return ", ".join(f"`{name}`" for name in names) + (" is" if len(names) == 1 else " are")
+    return "the answer this cell passed is"
 
 
 def strict_mode() -> bool:
@@ -253,7 +301,7 @@ def not_done(exercise: str, fallback: Any, lines: Sequence[str] = ()) -> Any:
     :func:`strict_mode` raise :class:`ExerciseFailed` instead."""
     library = _LIBRARY_ANSWER.get()
     if library:
-        head = (f"… {exercise}: not done yet — {_library_names(library)} is still the library's "
+        head = (f"… {exercise}: not done yet — {_library_names(library)} still the library's "
                 f"version (this cell handed it on because your exercise was not done). Run the "
                 f"exercise cell (the one that defines your answer), then this one.")
     else:
@@ -284,11 +332,15 @@ def failed_with(exercise: str, message: str) -> "ExerciseFailed":
 
 @dataclass
 class Case:
-    """One input for an exercise: positional args, keyword args, and a label for messages."""
+    """One input for an exercise: positional args, keyword args, a label for messages and,
+    optionally, ``features``: what this case varies that the inputs alone do not show (e.g.
+    ``{"padded rows": True}``), added to those :func:`course_lib.diagnosis.derive_features`
+    reads from the inputs (a feature set to None is removed)."""
 
     args: tuple
     kwargs: dict | None = None
     label: str = ""
+    features: dict | None = None
 
     def describe(self) -> str:
         parts = [describe_value(a) for a in self.args]
@@ -308,25 +360,19 @@ def describe_value(x: Any) -> str:
         return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
     if isinstance(x, float):
         return f"{x:.6g}"
+    if callable(x) and not isinstance(x, type):  # a function: its name, not its address
+        name = getattr(x, "__name__", None) or type(x).__name__
+        return f"function `{name}`"
     return repr(x) if len(repr(x)) <= 40 else type(x).__name__
 
 
-def _is_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")  # no tensor exists unless torch was imported: no import here
-    return torch is not None and isinstance(x, torch.Tensor)
+_is_tensor = is_tensor  # the check layer's short name (diagnosis owns the definition)
 
 
 def _dtype_name(x: Any) -> str:
     if _is_tensor(x):
         return str(x.dtype).replace("torch.", "")
     return str(np.asarray(x).dtype)
-
-
-def to_numpy64(x: Any) -> np.ndarray:
-    """Any array-like (tensor on any device, ndarray, number) as a float64 ndarray."""
-    if _is_tensor(x):
-        return x.detach().to("cpu").double().numpy()
-    return np.asarray(x, dtype=np.float64)
 
 
 def call_with_time_limit(fn: Callable, args: tuple, kwargs: dict, seconds: float):
@@ -531,25 +577,43 @@ def first_bad_index(got: np.ndarray, want: np.ndarray, atol: float, rtol: float,
     return tuple(int(i) for i in idx[0]) if len(idx) else None
 
 
-def compare(got: Any, want: Any, atol: float, rtol: float, equal_nan: bool = False) -> str | None:
+def compare(got: Any, want: Any, atol: float, rtol: float, equal_nan: bool = False,
+            names: Sequence[str] | None = None) -> str | None:
     """None when ``got`` matches ``want`` (type, shape, dtype, values); else what is wrong.
 
     ``equal_nan`` makes NaNs at the same places agree: used to recognise a known mistake that
-    itself produces NaN, never to accept an answer."""
+    itself produces NaN, never to accept an answer. ``names``: the names of a tuple output's
+    parts, used in the message (`` `lse`: …``; default ``output [1]: …``, nested
+    ``output [0][1]: …``)."""
+    return _compare(got, want, atol, rtol, equal_nan, names, "")
+
+
+def _compare(got, want, atol, rtol, equal_nan, names, path, values=True) -> str | None:
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)) \
+            and len(got) == len(want):  # each part says where it is itself
+        # kinds first (type, shape, dtype of every part), values after: a dtype slip in one part
+        # can change the values of another, and is then reported where it is
+        for check_values in ((False, True) if values else (False,)):
+            for i, (g, w) in enumerate(zip(got, want)):
+                problem = _compare(g, w, atol, rtol, equal_nan, None,
+                                   diagnosis.part_label(path, i, names), check_values)
+                if problem:
+                    return problem
+        return None
+    problem = _compare_leaf(got, want, atol, rtol, equal_nan, names, path, values)
+    return f"{path}: {problem}" if problem and path else problem
+
+
+def _compare_leaf(got, want, atol, rtol, equal_nan, names, path, values=True) -> str | None:
     if got is None:
-        return "the function returned None — did you forget a `return`?"
+        return ("the function returned None — did you forget a `return`?" if not path
+                else "None where a value is expected")
     if _is_tensor(want) and isinstance(got, np.ndarray):
         return "returned a NumPy array where a torch.Tensor is expected (use torch operations)"
     if isinstance(want, np.ndarray) and _is_tensor(got):
         return "returned a torch.Tensor where a NumPy array is expected (use NumPy operations)"
     if isinstance(want, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(want):
-            return (f"expected a tuple of {len(want)} values, got {describe_value(got)}")
-        for i, (g, w) in enumerate(zip(got, want)):
-            problem = compare(g, w, atol, rtol, equal_nan)
-            if problem:
-                return f"output [{i}]: {problem}"
-        return None
+        return f"expected a tuple of {len(want)} values, got {describe_value(got)}"
     if isinstance(want, (np.ndarray,)) or _is_tensor(want):
         if not (isinstance(got, np.ndarray) or _is_tensor(got)):
             return f"expected an array, got {describe_value(got)}"
@@ -557,6 +621,8 @@ def compare(got: Any, want: Any, atol: float, rtol: float, equal_nan: bool = Fal
             return f"shape {tuple(got.shape)} but expected {tuple(want.shape)}"
         if _dtype_name(got) != _dtype_name(want):
             return f"dtype {_dtype_name(got)} but expected {_dtype_name(want)}"
+    if not values:
+        return None
     g, w = to_numpy64(got), to_numpy64(want)
     if g.shape != w.shape:
         return f"shape {g.shape} but expected {w.shape}"
@@ -653,10 +719,31 @@ _FP_EVIDENCE = (
 )
 
 
-def trace_nonfinite(fn: Callable, args: tuple, kwargs: dict) -> str | None:
+# What "inf - inf" means where the case has no fully masked row: the guard the usual meaning
+# asks for is not what is missing (a correct answer meets no row of all -inf here).
+NO_EMPTY_ROW_MEANING = (
+    "inf - inf: a row whose scores are all -inf has max -inf, and s - max gives "
+    "(-inf) - (-inf) = NaN. No row of this case is fully masked (every query sees at least one "
+    "key), so such a row is either one tile's part of a row that sees no key in that tile — "
+    "which needs a guard (a max of 0 where it is -inf) — or a mask that hides keys that are "
+    "visible (np.where(condition, s, -inf) keeps s where the condition is True)")
+
+
+NO_EMPTY_ROW_DIVISION = (
+    "0/0: a division by a sum that is 0. No row of this case is fully masked, so the row's sum "
+    "should have terms: either none were added (a loop that skips the row's keys, or a mask "
+    "that hides them all), or each exp(s − m) underflowed to 0 (s − m below about −745 in "
+    "float64, −103 in float32: an m far above the row's own scores, such as a max that starts "
+    "above them or another row's)")
+
+
+def trace_nonfinite(fn: Callable, args: tuple, kwargs: dict,
+                    no_empty_rows: bool = False) -> str | None:
     """Re-run ``fn`` with NumPy raising on the first invalid floating-point operation; return
     what it was and where in the learner's code ("invalid value in subtract at line 7: `s - m`
-    — ..."), or None when NumPy reports nothing (torch code, or no NaN made by arithmetic)."""
+    — ..."), or None when NumPy reports nothing (torch code, or no NaN made by arithmetic).
+    ``no_empty_rows``: the case is known to have no fully masked row, so a row of all -inf
+    is explained by :data:`NO_EMPTY_ROW_MEANING`, not by a missing guard."""
     output = CapturedOutput()
     try:
         with _isolated(output), np.errstate(over="raise", divide="raise", invalid="raise",
@@ -669,12 +756,16 @@ def trace_nonfinite(fn: Callable, args: tuple, kwargs: dict) -> str | None:
         where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
         meaning = next((m for (kind, op), m in _FP_EVIDENCE if kind in text and op in text),
                        "an invalid floating-point operation")
+        if no_empty_rows and "subtract" in text:
+            meaning = NO_EMPTY_ROW_MEANING
+        elif no_empty_rows and "invalid value" in text and "divide" in text:
+            meaning = NO_EMPTY_ROW_DIVISION
         return f"the first invalid operation NumPy saw: {text}{where} — {meaning}"
     except _UserInterrupt:
         raise KeyboardInterrupt from None
     except BaseException:  # noqa: BLE001 - no evidence from this run
         return None
-    return torch_trace.evidence()
+    return torch_trace.evidence(no_empty_rows)
 
 
 class _TorchNonfinite:
@@ -736,13 +827,15 @@ class _TorchNonfinite:
             self.mode.__exit__(*exc)
         return False
 
-    def evidence(self) -> str | None:
+    def evidence(self, no_empty_rows: bool = False) -> str | None:
         """'the first inf came from torch's exp at line N: `...` — meaning; then the first NaN
         from div at line M: `...`', in the order they appeared; None when torch saw neither."""
         parts = []
         for kind, (name, frame) in self.first.items():  # insertion order: first made, first
             where = f" at line {frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
             meaning = next((m for key, m in self._MEANING.items() if key in name), None)
+            if no_empty_rows and "sub" in name:
+                meaning = NO_EMPTY_ROW_MEANING
             parts.append(f"the first {kind} came from torch's {name}{where}"
                          + (f" — {meaning}" if meaning else ""))
         return "; then ".join(parts) or None
@@ -779,6 +872,8 @@ def check_function(
     writable: Collection[str] = (),
     subject: str = "your function",
     output: CapturedOutput | None = None,
+    output_names: Sequence[str] | None = None,
+    features: Callable | bool | None = None,
 ) -> Callable:
     """Check ``fn`` against ``reference`` on each case and return the function to continue with.
 
@@ -798,13 +893,19 @@ def check_function(
         subject: how messages call ``fn`` (``"your kernel"`` for kernel checks).
         output: where what ``fn`` prints goes (default: a new :class:`CapturedOutput`); pass
             one to show its excerpt in a message of your own.
+        output_names: the names of a tuple output's parts (``("o", "lse")``), for messages.
+        features: how a case's features are found for the differential diagnosis
+            (:mod:`course_lib.diagnosis`): None reads them from the inputs
+            (:func:`~course_lib.diagnosis.derive_features`), a callable ``features(inputs) ->
+            dict`` (inputs by argument name) replaces that, False uses only ``Case.features``.
 
     Returns:
         ``fn`` when it passes, ``fallback`` when it is not done yet.
 
     Raises:
         ExerciseFailed: with a diagnosis when ``fn`` is wrong, crashes, changes an input, exits
-            or runs too long.
+            or runs too long. Its ``evidence`` attribute holds the diagnosis's evidence lines
+            (for checks that write a message of their own).
         KeyboardInterrupt: when the learner interrupts the check (Ctrl-C, Interrupt button).
     """
     fallback = reference if fallback is None else fallback
@@ -813,10 +914,14 @@ def check_function(
     if _LIBRARY_ANSWER.get():  # the library's own code was handed in: never a ✓ for it
         raise _LibraryAnswer(exercise, fallback)
 
-    def failed(*lines: str) -> ExerciseFailed:
-        return failed_with(exercise, "\n".join([*lines, *output.excerpt(subject)]))
+    def failed(*lines: str, evidence: Sequence[str] = (), outcomes=None,
+               experiments=None) -> ExerciseFailed:
+        exc = failed_with(exercise, "\n".join([*lines, *output.excerpt(subject)]))
+        exc.evidence, exc.outcomes, exc.experiments = list(evidence), outcomes, experiments
+        exc.output_names, exc.headline = output_names, first.n if outcomes else None
+        return exc
 
-    runs: list[CaseRun] = []  # evidence: what fn returned on each case it ran
+    runs: list[CaseRun] = []  # evidence: what fn returned (or how it crashed) on each case
     for n, case in enumerate(cases, 1):
         kwargs = case.kwargs or {}
         want = reference(*case.args, **kwargs)
@@ -825,6 +930,7 @@ def check_function(
         args_copy, kwargs_copy = _copy_value(tuple(case.args)), _copy_value(kwargs)
         on_case = f"on case {n} {case.describe()}"
         failing = next((r for r in runs if r.problem), None)
+        atol, rtol = tolerance or _default_tolerance(want)
         try:
             with _isolated(output):
                 got = call_with_time_limit(fn, args_copy, kwargs_copy, time_limit)
@@ -834,6 +940,8 @@ def check_function(
             if quiet:
                 return fallback
             return not_done(exercise, fallback, output.excerpt(subject))
+        except NoEvidence:  # the caller cannot run this case (e.g. after a GPU fault)
+            continue
         except _TimeLimit:
             if failing is not None:
                 continue
@@ -842,9 +950,16 @@ def check_function(
         except _UserInterrupt:  # the learner stopped the check: stop, as any interrupted cell
             raise KeyboardInterrupt from None
         except BaseException as exc:  # the learner's code crashed: one line, not a traceback wall
-            if failing is not None:  # the wrong answer found first is the diagnosis
-                continue
-            raise failed(*_crash_diagnosis(exercise, subject, on_case, exc)) from None
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):  # not about the case: say it now
+                if failing is not None:
+                    continue
+                raise failed(*_crash_diagnosis(exercise, subject, on_case, exc)) from None
+            # kept as evidence; the other cases still run, so the diagnosis can say which
+            # cases crash and which do not
+            runs.append(CaseRun(n, case, want, None, f"crashed: {_short_error(exc)}",
+                                (atol, rtol), crash=_crash_diagnosis(exercise, subject, on_case,
+                                                                     exc)))
+            continue
         names = _argument_names(len(case.args), reference, fn)
         changed = _changed_inputs(case, args_copy, kwargs_copy, names, writable)
         if changed and failing is None:
@@ -854,8 +969,8 @@ def check_function(
                          f"needs them): write `{name} = {name} * s` rather than `{name} *= s`, "
                          f"and copy before assigning into it (`{name} = {name}.copy()`, or "
                          f"`.clone()` for a tensor)")
-        atol, rtol = tolerance or _default_tolerance(want)
-        runs.append(CaseRun(n, case, want, got, compare(got, want, atol, rtol), (atol, rtol)))
+        runs.append(CaseRun(n, case, want, got,
+                            compare(got, want, atol, rtol, names=output_names), (atol, rtol)))
     first = next((r for r in runs if r.problem), None)
     if first is None:
         if not quiet:
@@ -863,27 +978,115 @@ def check_function(
                                         f"case{'s' if len(cases) != 1 else ''}).",
                                         *output.excerpt(subject)]))
         return fn
-    lines = [f"✗ {exercise}: wrong answer on case {first.n} of {len(cases)}",
-             f"  inputs: {first.case.describe()}",
-             f"  output: {describe_value(first.got)}; expected {describe_value(first.want)}",
-             f"  {first.problem}"]
-    if "NaN/inf" in first.problem:
-        evidence = trace_nonfinite(fn, first.case.args, first.case.kwargs or {})
-        if evidence:
-            lines.append(f"  {evidence}")
-    lines += cause_lines(runs, mistakes or {})
-    other = [r.n for r in runs if r.problem and r is not first]
-    if other:
-        lines.append(f"  (also wrong on case{'s' if len(other) > 1 else ''} "
-                     f"{', '.join(map(str, other))}; right on "
-                     f"{len([r for r in runs if not r.problem])} of {len(cases)})")
-    raise failed(*lines)
+    outcomes = case_outcomes(runs, reference, fn, features)
+    causes = [] if first.crash is not None else \
+        cause_lines([r for r in runs if r.crash is None], mistakes or {})
+    # experiments cost a run each: only where no known mistake already names the cause
+    experiments = {} if causes else toggle_experiments(
+        outcomes, first, fn, reference, output, min(time_limit, EXPERIMENT_TIME_LIMIT_S))
+    # a known mistake that reproduces the answer on every case is the whole story: evidence
+    # lines then only repeat it (or, worse, seem to point elsewhere)
+    named = bool(causes) and causes[0].startswith("  likely cause:")
+    evidence = [] if named else diagnosis.diagnose(outcomes, output_names, first.n, experiments)
+    if first.crash is not None:
+        lines = list(first.crash)
+    else:
+        lines = [f"✗ {exercise}: wrong answer on case {first.n} of {len(cases)}",
+                 f"  inputs: {first.case.describe()}",
+                 f"  output: {describe_value(first.got)}; expected {describe_value(first.want)}",
+                 f"  {first.problem}"]
+        if "NaN/inf" in first.problem:
+            headline = next(o for o in outcomes if o.n == first.n)
+            trace = trace_nonfinite(fn, first.case.args, first.case.kwargs or {},
+                                    headline.features.get("rows that see no key") is False)
+            if trace:
+                lines.append(f"  {trace}")
+        lines += causes
+    tail = evidence + also_wrong_lines(runs, first, len(cases))
+    raise failed(*lines, *tail, evidence=tail, outcomes=outcomes, experiments=experiments)
+
+
+class NoEvidence(Exception):
+    """Raised by a check's wrapper around the learner's code when it cannot run a case (e.g. the
+    GPU faulted on an earlier one): :func:`check_function` skips that case."""
+
+
+def also_wrong_lines(runs: Sequence["CaseRun"], first: "CaseRun", n_cases: int) -> list[str]:
+    """The "(also wrong on …; right on k of n)" line: every other failing case, crashed ones
+    included (said as such)."""
+    other = [r for r in runs if r.problem and r is not first]
+    if not other:
+        return []
+    crashed = [r.n for r in other if r.crash is not None]
+    said = ", ".join(map(str, (r.n for r in other)))
+    verb = "wrong on"
+    if crashed and len(crashed) == len(other):
+        verb = "crashes on" if first.crash is not None else "wrong on"
+        if first.crash is None:
+            said += " (crashed)" if len(other) == 1 else " (all crashed)"
+    elif crashed:
+        said += f" ({', '.join(map(str, crashed))} crashed)"
+    return [f"  (also {verb} case{'s' if len(other) > 1 else ''} {said}; right on "
+            f"{len([r for r in runs if not r.problem])} of {n_cases})"]
+
+
+def toggle_experiments(outcomes: Sequence, first: "CaseRun", fn: Callable, reference: Callable,
+                       output: CapturedOutput, time_limit: float) -> dict:
+    """``{feature: passed}``: the first failing case rerun with each feature that sets the
+    failing cases apart switched off (:func:`course_lib.diagnosis.toggle`), where that is
+    possible; passed is True when the answer is then right."""
+    results = {}
+    headline = next((o for o in outcomes if o.n == first.n), None)
+    if headline is None:
+        return results
+    names = _argument_names(len(first.case.args), reference, fn)
+    for feature, value in diagnosis.separating(outcomes):
+        changed = diagnosis.toggle(feature, headline.inputs) if value is True else None
+        if changed is None:
+            continue
+        args = tuple(changed.get(name, arg) for name, arg in zip(names, first.case.args))
+        kwargs = {k: v for k, v in changed.items() if k not in names[:len(args)]}
+        if "layouts" in (first.case.kwargs or {}):
+            kwargs["layouts"] = first.case.kwargs["layouts"]
+        try:
+            want = reference(*args, **kwargs)
+            with _isolated(output):
+                got = call_with_time_limit(fn, _copy_value(args), _copy_value(kwargs), time_limit)
+            results[feature] = compare(got, want, *first.tolerance) is None
+        except _UserInterrupt:
+            raise KeyboardInterrupt from None
+        except BaseException:  # noqa: BLE001 - the experiment failed: the feature is not it
+            results[feature] = False
+    return results
+
+
+def case_outcomes(runs: Sequence["CaseRun"], reference: Callable, fn: Callable,
+                  features: Callable | bool | None = None) -> list:
+    """The evidence of ``runs`` for :func:`course_lib.diagnosis.diagnose`: each case's inputs by
+    the reference's argument names, its features and its outcome."""
+    outcomes = []
+    for r in runs:
+        args, kwargs = tuple(r.case.args), dict(r.case.kwargs or {})
+        names = _argument_names(len(args), reference, fn)
+        inputs = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k != "layouts"}}
+        try:
+            found = ({} if features is False else
+                     features(inputs) if callable(features) else diagnosis.derive_features(inputs))
+        except Exception:  # noqa: BLE001 - features are evidence, not a requirement
+            found = {}
+        found.update(r.case.features or {})
+        found = {k: v for k, v in found.items() if v is not None}
+        status = (diagnosis.CRASHED if r.crash is not None else
+                  diagnosis.WRONG if r.problem else diagnosis.RIGHT)
+        outcomes.append(diagnosis.Outcome(r.n, found, status, r.got, r.want, r.tolerance, inputs))
+    return outcomes
 
 
 @dataclass
 class CaseRun:
     """One case the learner's function ran on: its number, inputs, the right output, what it
-    returned, what is wrong with it (None: right) and the tolerance used."""
+    returned, what is wrong with it (None: right), the tolerance used and, when it crashed, the
+    crash's diagnosis lines."""
 
     n: int
     case: Case
@@ -891,6 +1094,7 @@ class CaseRun:
     got: Any
     problem: str | None
     tolerance: tuple[float, float]
+    crash: list[str] | None = None  # the crash's diagnosis lines, when fn raised on this case
 
 
 def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) -> list[str]:

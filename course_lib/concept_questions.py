@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from course_lib import constants, costmodel, hardware, iomodel, kvcache, softmax
-from course_lib.quiz_types import MultipleChoice, Numeric, WrongAnswer
+from course_lib.quiz_types import DEFAULT_REL_TOL, MultipleChoice, Numeric, WrongAnswer
 
 __all__ = ["CHAPTERS", "questions", "all_questions"]
 
@@ -1053,20 +1053,29 @@ def _chapter_10() -> list:
     n, window, block = 65_536, 4096, 128
     counts = masks.tile_counts(masks.sliding_window_tile_classes(n, n, window, block, block))
     visited_pct = 100 * (counts["partial"] + counts["full"]) / counts["total"]
+    # The hint's estimate, W / BLOCK_N + 1 tiles of each row's N / BLOCK_N, counts every Q tile
+    # as a full band; the exact count is a little lower (the first Q tiles have fewer keys
+    # before them). Both reasonings are right: the tolerance takes both numbers.
+    band_tiles = window // block + 1
+    estimate_pct = 100 * band_tiles / (n // block)
+    band_tol = abs(estimate_pct - visited_pct) / visited_pct + DEFAULT_REL_TOL / 2
     lengths, n_max = (900, 200, 4096), 4096
     padded_tiles = len(lengths) * iomodel.num_blocks(n_max, block) ** 2
     packed_tiles = sum(iomodel.num_blocks(n_b, block) ** 2 for n_b in lengths)
     saved = padded_tiles / packed_tiles
     return [
         Numeric(
-            f"A sliding window of W = {window:,} over N = {n:,} tokens, tiles of {block} × "
-            f"{block}. What percentage of the (Q tile, K/V tile) pairs does a kernel that visits "
-            f"only the non-empty tiles compute?",
-            answer=visited_pct, unit="%",
-            explanation=f"Each Q tile visits about W / BLOCK_N + 1 = {window // block + 1} K/V "
-                        f"tiles of the {n // block} in its row: {counts['partial'] + counts['full']:,} "
-                        f"of {counts['total']:,} tiles, {visited_pct:.1f}%. Its time is that "
-                        f"fraction of dense attention's, whatever the partial tiles cost extra.",
+            f"A one-sided sliding window of W = {window:,} (each query sees itself and the "
+            f"{window - 1:,} keys before it, none after) over N = {n:,} tokens, tiles of {block} "
+            f"× {block}. What percentage of the (Q tile, K/V tile) pairs does a kernel that "
+            f"visits only the non-empty tiles compute?",
+            answer=visited_pct, unit="%", rel_tol=band_tol,
+            explanation=f"Each Q tile visits about W / BLOCK_N + 1 = {band_tiles} K/V tiles of "
+                        f"the {n // block} in its row, {estimate_pct:.2f}%; counted exactly (the "
+                        f"first Q tiles have fewer keys before them) "
+                        f"{counts['partial'] + counts['full']:,} of {counts['total']:,} tiles, "
+                        f"{visited_pct:.2f}%. Its time is that fraction of dense attention's, "
+                        f"whatever the partial tiles cost extra.",
             hint="Count the tiles in the band of one Q tile, about W / BLOCK_N + 1, and divide by "
                  "the tiles of a row, N / BLOCK_N.",
             wrong_answers=(
@@ -1086,8 +1095,8 @@ def _chapter_10() -> list:
             ),
             answer=0,
             explanations=(
-                "Right: a full tile's mask is all True. Skipping it saves the mask's work (a load "
-                "or index arithmetic, and a select per score) on most tiles.",
+                "A full tile's mask is all True. Skipping it saves the mask's work (a load or "
+                "index arithmetic, and a select per score) on most tiles.",
                 "Every visited tile goes through the same online-softmax update.",
                 "It would give the same result, only slower: masking a full tile hides nothing.",
                 "It can: the partial tiles load it inside the loop.",
@@ -1121,8 +1130,8 @@ def _chapter_10() -> list:
             ),
             answer=0,
             explanations=(
-                "Right: the K/V head is used by every query head of its group, so its gradient "
-                "adds up the contributions of all of them (as for any tensor used more than once).",
+                "The K/V head is used by every query head of its group, so its gradient adds up "
+                "the contributions of all of them (as for any tensor used more than once).",
                 "Every query head of the group used this K, so every one contributes.",
                 "A mean would divide by the group size: the forward used K that many times, each "
                 "use adds its full gradient.",
@@ -1132,10 +1141,106 @@ def _chapter_10() -> list:
     ]
 
 
+# ---------------------------------------------------------------- 12: your kernel in a real model
+
+def _chapter_12() -> list:
+    tokens, heads = 16_384, 16
+    bf16 = costmodel.bytes_per_element("bfloat16")
+    weights_gib = heads * tokens * tokens * bf16 / GIB
+    q_heads, kv_heads, head = 16, 4, 6
+    return [
+        _move_answer(1, MultipleChoice(
+            "torch.compile(fullgraph=True) fails on a model whose attention launches a Triton "
+            "kernel from Python. What does registering the kernel as a torch.library custom op "
+            "with a fake implementation give the compiler?",
+            choices=(
+                "One opaque node whose output shapes, dtypes and strides it knows without running "
+                "it",
+                "A faster kernel: the fake is a cheap approximation used while training",
+                "The kernel's source, so that Inductor can fuse it with its neighbours",
+                "Nothing for the forward pass: custom ops only matter for the backward",
+            ),
+            answer=0,
+            explanations=(
+                "Right: the compiler records a call to the op as one node and never looks inside; "
+                "while tracing it runs the fake on FakeTensors (no data) to learn what the node "
+                "returns, and the registered autograd formula tells it the backward.",
+                "The fake never computes anything: it only returns empty tensors of the right "
+                "shape, dtype and strides. The real kernel runs whenever the graph runs.",
+                "That is triton_op with wrap_triton; a custom_op stays opaque to the compiler.",
+                "The forward is where the graph broke: Dynamo could not trace the launch. The "
+                "op fixes both passes (the backward through register_autograd).",
+            ),
+        )),
+        _move_answer(2, MultipleChoice(
+            "A decoding step with a KV cache: 1 new query against 100 cached keys. What does "
+            "causal=True (SDPA's is_causal, aligned to the top-left) compute for that query?",
+            choices=(
+                "Attention over key 0 only: wrong, the new token must see all 100 keys",
+                "Attention over all 100 keys, as it should",
+                "Attention over the last key only, the token itself",
+                "An error: causal attention needs as many queries as keys",
+            ),
+            answer=0,
+            explanations=(
+                "Right: top-left alignment lets query i see keys j <= i, so query 0 sees key 0. "
+                "The new token is the last position, so its mask is aligned to the bottom-right: "
+                "with N_q = 1 that is no mask at all (causal=False).",
+                "That is what the step needs, and what causal=False (or a bottom-right mask) "
+                "gives; top-left causal gives something else.",
+                "Nothing aligns the single query with the last key: top-left causal pairs it with "
+                "key 0.",
+                "SDPA and flash_attention accept N_q != N_k with causal=True; the mask is then "
+                "aligned to the top-left corner, which is the trap.",
+            ),
+        )),
+        Numeric(
+            f"transformers' 'eager' attention materialises the attention weights of every head. "
+            f"At T = {tokens:,} tokens and {heads} query heads in bfloat16 ({bf16} bytes), how "
+            f"many GiB do one sequence's weights take in one layer?",
+            answer=weights_gib, unit="GiB",
+            explanation=f"H · T² = {heads} × {tokens:,}² = {heads * tokens * tokens:,} weights "
+                        f"× {bf16} bytes = {weights_gib:g} GiB per layer and sequence — kept for "
+                        f"the backward in every layer. A tiled kernel keeps one log-sum-exp per "
+                        f"row instead.",
+            hint="Count the T × T weights of each query head, times the bytes per element, and "
+                 "divide by 2³⁰.",
+            wrong_answers=(
+                WrongAnswer(2 * weights_gib, "That counts 4 bytes per weight (float32); the "
+                                             "question is about bfloat16."),
+                WrongAnswer(weights_gib / heads, "That is one head; every query head has its own "
+                                                 "T × T weights."),
+                WrongAnswer(weights_gib / 2, "GQA shares the K/V heads, not the weights: every "
+                                             "query head still has its own T × T weights."),
+            ),
+        ),
+        _move_answer(3, MultipleChoice(
+            f"A layer has {q_heads} query heads and {kv_heads} K/V heads (GQA). Which K/V head "
+            f"does query head {head} read?",
+            choices=(
+                f"K/V head {head // (q_heads // kv_heads)}: h // (H / H_kv)",
+                f"K/V head {head % kv_heads}: h mod H_kv",
+                f"K/V head {head}: heads are matched one to one",
+                "All of them, averaged",
+            ),
+            answer=0,
+            explanations=(
+                f"Right: consecutive query heads share a K/V head, {q_heads // kv_heads} per group; "
+                f"repeat_interleave makes the same pairing when it copies the K/V heads.",
+                "That pairing is what repeat (tiling) makes, and what exercise 12.1's check calls "
+                "K/V heads repeated in the wrong order.",
+                f"There are only {kv_heads} K/V heads: head {head} does not exist among them.",
+                "Each query head reads exactly one K/V head; sharing saves the cache, nothing is "
+                "averaged.",
+            ),
+        )),
+    ]
+
+
 _BUILDERS: dict[str, Callable[[], list]] = {
     "01": _chapter_01, "02": _chapter_02, "03": _chapter_03, "04": _chapter_04,
     "05": _chapter_05, "06": _chapter_06, "07": _chapter_07, "08": _chapter_08,
-    "09": _chapter_09, "10": _chapter_10, "11": _chapter_11,
+    "09": _chapter_09, "10": _chapter_10, "11": _chapter_11, "12": _chapter_12,
 }
 CHAPTERS = tuple(_BUILDERS)  # "01" … "09"
 

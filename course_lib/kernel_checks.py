@@ -24,7 +24,9 @@ power of two, ...). :func:`check_kernel` puts it together for one exercise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import itertools
 import re
 import traceback
 import warnings
@@ -83,7 +85,12 @@ def is_not_done(exc: BaseException) -> bool:
     return False
 
 
-# (pattern in the error text, what it usually means)
+# (pattern in the error text, what it usually means) — or (pattern, hint, test of the learner's
+# source line): the same message comes from different statements (Triton reports a mask that
+# does not broadcast with the same words as a tl.dot of mismatched shapes)
+_BROADCAST_HINT = ("shapes do not broadcast: in a 2-D tile a row index needs [:, None] and a "
+                   "column index [None, :] — in a mask or a tl.where condition too (a (BLOCK_M,) "
+                   "mask lines up with the columns of a (BLOCK_M, HEAD_DIM) block, not its rows)")
 ERROR_HINTS = (
     ("must be same dtype",
      "tl.dot needs both operands in the same dtype: convert the fp32 probabilities first, "
@@ -96,8 +103,10 @@ ERROR_HINTS = (
     ("equal reduction dimensions",
      "tl.dot(a, b) needs a (M, K) @ b (K, N): for scores q (M, d) @ kᵀ (d, N), write tl.dot(q, tl.trans(k))"),
     ("incompatible dimensions",
-     "shapes do not line up: tl.dot(a, b) needs a's last dim == b's first dim (tl.trans(k)?)"),
-    ("Cannot broadcast", "shapes do not broadcast: a row index needs [:, None], a column index [None, :]"),
+     "shapes do not line up: tl.dot(a, b) needs a's last dim == b's first dim (tl.trans(k)?)",
+     lambda line: "tl.dot" in line),
+    ("incompatible dimensions", _BROADCAST_HINT, lambda line: "tl.dot" not in line),
+    ("Cannot broadcast", _BROADCAST_HINT),
     ("is not defined", "a name is not defined inside the kernel: kernels see only their "
                        "arguments, triton.language (tl) and constexpr globals"),
     ("unsupported AST node", "that Python statement is not supported inside a @triton.jit kernel"),
@@ -146,8 +155,10 @@ def summarize_kernel_error(exc: BaseException) -> str:
         first = (str(innermost).strip().splitlines() or [""])[0]
         detail = f"{type(innermost).__name__}: {first}{_user_location(chain)}"
     text = " ".join(f"{e} {getattr(e, 'error_message', '') or ''}" for e in chain)
-    for pattern, hint in ERROR_HINTS:
-        if pattern in text:
+    found = re.search(r"`([^`]*)`", detail)
+    line = found.group(1) if found else ""
+    for pattern, hint, *fits in ERROR_HINTS:
+        if pattern in text and (not fits or fits[0](line)):
             return f"{detail}\n  hint: {hint}"
     return detail
 
@@ -170,7 +181,7 @@ class MemoryViolation(KernelProblem):
     ``program`` (the program id), ``n_bad``/``n_lanes`` (bad and active lanes), ``tensor`` (the
     name of the tensor the first bad lane is nearest to, or None), ``index`` (its index there,
     or None) and ``kind``: "input written", "past the end", "strides of another tensor",
-    "past the end or strides of another tensor", or "outside"."""
+    "own strides swapped", "past the end or strides of another tensor", or "outside"."""
 
     def __init__(self, message: str, **evidence):
         super().__init__(message)
@@ -297,6 +308,11 @@ class MemoryGuard:
                         f"pointer(s); two pointer arguments swapped?",
                         dict(tensor=r.name, index=idx, kind="input written"))
         nearest = sorted((r for r in self.regions if r.base <= address), key=lambda r: -r.base)
+        # 2a. the rows of one tile running past the last row of their own (batch, head) slice
+        # (an unmasked row load or store): its lanes land in the next slice or past the end
+        rows = self._rows_past(nearest[0], bad, lanes, write) if nearest else None
+        if rows:
+            return rows
         # 2. just past the end of the nearest tensor along some dims (within one more extent)
         past = None
         for r in nearest[:1]:
@@ -307,17 +323,20 @@ class MemoryGuard:
                 over = [(d, i, n) for d, (i, n) in enumerate(zip(idx, r.shape)) if i >= n]
                 text = "; ".join(f"dim {d} index {i} ≥ its size {n}" for d, i, n in over)
                 leading = len(r.shape) > 2 and all(d < len(r.shape) - 2 for d, _, _ in over)
-                why = (f"past the end of `{r.name}` along a batch/head dim: the batch or head "
-                       f"offset is too large — computed with another dim's stride, or from the "
-                       f"wrong program id (lanes of one tile never need a mask there)"
+                dims = " and ".join(str(d) for d, _, _ in over)
+                why = (f"past the end of `{r.name}` along dim {dims}: the offset along that dim "
+                       f"is too large — its index computed with another dim's stride, from the "
+                       f"wrong program id, or from a length that runs past the end"
                        if leading else
                        f"past the end of `{r.name}`: lanes past the last row/column need a "
                        f"mask on the {'tl.store' if write else 'tl.load'} (mask=offs < n"
                        f"{'' if write else ', other=0.0'}), or an offset is too large")
                 past = (f"`{r.name}` {tuple(r.shape)} at index {idx} ({text})", why,
                         dict(tensor=r.name, index=idx, kind="past the end"))
-        # 3. one tensor's base with another tensor's strides: every active lane must fit
+        # 3. one tensor's base with its own strides in another order, or with another tensor's
+        # strides: every active lane must fit
         for r in nearest[:1]:
+            own = self._own_strides_swapped(r, lanes)
             for other in self.regions:
                 if other is r or other.strides == r.strides or len(other.strides) != len(r.shape):
                     continue
@@ -327,6 +346,9 @@ class MemoryGuard:
                 strides = (f"every lane of this access is an element of `{r.name}` indexed with "
                            f"`{other.name}`'s strides {other.strides}: use `{r.name}`'s own "
                            f"strides {r.strides} for `{r.name}`")
+                if own is not None:  # both fit: say both, guess neither
+                    strides = (f"either {own[1]};\n  or {strides} (both fit these offsets: "
+                               f"`{other.name}`'s strides are `{r.name}`'s in another order)")
                 if past is None:
                     return (f"element {(address - r.base) // r.itemsize:+d} from the start of "
                             f"`{r.name}` = index {idx} with `{other.name}`'s strides", strides,
@@ -335,6 +357,11 @@ class MemoryGuard:
                 return past[0], (f"either {past[1]};\n  or {strides} (both fit these "
                                  f"offsets)"), dict(past[2], kind="past the end or strides of "
                                                                   "another tensor")
+            if own is not None:
+                if past is None:
+                    return own
+                return past[0], (f"either {past[1]};\n  or {own[1]} (both fit these offsets)"), \
+                    dict(past[2], kind="past the end or strides of another tensor")
         if past:
             return past
         # 4. elsewhere: name the nearest tensor that starts before it
@@ -345,6 +372,73 @@ class MemoryGuard:
                 "an offset that is too large or negative: a missing batch/head offset, a row "
                 "index multiplied by the wrong stride, or a pid used for the wrong axis",
                 dict(tensor=near.name, index=None, kind="outside"))
+
+
+    @staticmethod
+    def _own_strides_swapped(r: "_Region", lanes: np.ndarray):
+        """(where, why, evidence) when every lane is an element of ``r`` reached with ``r``'s own
+        strides given to the wrong dims (e.g. its row and head strides swapped), else None."""
+        for perm in sorted(set(itertools.permutations(r.strides))):
+            if perm == tuple(r.strides) or not r.index_of(lanes, strides=perm)[1].all():
+                continue
+            swapped = [d for d in range(len(perm)) if perm[d] != r.strides[d]]
+            dims = " and ".join(f"dim {d}" for d in swapped)
+            idx = tuple(int(i[0]) for i in r.index_of(lanes[:1], strides=perm)[0])
+            return (f"`{r.name}` {tuple(r.shape)} at index {idx} reached with its strides in "
+                    f"another order {perm}",
+                    f"every lane of this access is an element of `{r.name}` reached with "
+                    f"`{r.name}`'s own strides {tuple(r.strides)} given to the wrong dims ({dims} "
+                    f"swapped): each index times the stride of its own dim",
+                    dict(tensor=r.name, index=idx, kind="own strides swapped"))
+        return None
+
+    @staticmethod
+    def _rows_past(r: "_Region", bad: np.ndarray, lanes: np.ndarray, write: bool):
+        """(where, why, evidence) when the access is one tile of rows of ``r`` whose last rows run
+        past the last row of their own (batch, head) slice: every lane, good and bad, is
+        (row, column) of the slice the good lanes lie in, the rows contiguous, the bad ones
+        exactly those ≥ N. None otherwise (or when rows are not the outer of the last two
+        dims, where rows past the end cannot be told from columns)."""
+        nd = len(r.shape)
+        if nd < 2 or not r.nested:
+            return None
+        st_row, st_col = r.strides[-2], r.strides[-1]
+        n_rows, n_cols = r.shape[-2], r.shape[-1]
+        if st_col < 1 or st_row < st_col * n_cols:
+            return None
+        inside = r.contains(lanes)
+        if not inside.any():
+            return None
+        anchor = [int(i[0]) for i in r.index_of(lanes[inside][:1])[0]][:nd - 2]
+        base = r.base + r.itemsize * sum(i * st for i, st in zip(anchor, r.strides))
+        offset = lanes.astype(np.int64) - base
+        if (offset < 0).any() or (offset % r.itemsize).any():
+            return None
+        rem = offset // r.itemsize
+        row, within = rem // st_row, rem % st_row
+        col = within // st_col
+        if (within % st_col).any() or (col >= n_cols).any():
+            return None
+        rows = np.unique(row)
+        bad_rows = np.unique(rem[np.isin(lanes, bad)] // st_row)
+        if rows.max() - rows.min() + 1 != rows.size or not (rows.min() < n_rows <= rows.max()) \
+                or bad_rows.min() < n_rows:
+            return None
+        first = int(np.flatnonzero(np.isin(lanes, bad[:1]))[0])
+        idx = (*anchor, int(row[first]), int(col[first]))
+        slice_name = (f" in head {anchor[0]}" if nd == 3 else
+                      f" in (batch {anchor[0]}, head {anchor[1]})" if nd == 4 else
+                      f" at leading index {tuple(anchor)}" if anchor else "")
+        op = "tl.store" if write else "tl.load"
+        where = (f"run past the end of `{r.name}` (its last row is {n_rows - 1})" if nd == 2 else
+                 f"run past the last row ({n_rows - 1}) of `{r.name}`{slice_name}: rows "
+                 f"{n_rows}–{int(rows.max())} lie in the next slice or past the end of the tensor")
+        return (f"`{r.name}` {tuple(r.shape)} at index {idx} (dim {nd - 2} index {idx[-2]} ≥ its "
+                f"size {n_rows})",
+                f"this tile's rows {int(rows.min())}–{int(rows.max())} {where}. The {op} of a tile "
+                f"needs a mask on its rows (mask=offs_m[:, None] < n"
+                f"{'' if write else ', other=0.0'})",
+                dict(tensor=r.name, index=idx, kind="past the end"))
 
 
 _ACTIVE_GUARDS: list[MemoryGuard] = []
@@ -569,7 +663,8 @@ class GuardedRun:
 def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                  cases: Sequence[Case], *, fallback, mistakes: dict | None = None,
                  tolerance: tuple[float, float] | None = None,
-                 time_limit: float | None = None, locate: Callable | None = None):
+                 time_limit: float | None = None, locate: Callable | None = None,
+                 output_names: Sequence[str] | None = None, features=None):
     """Check a kernel exercise and return what the notebook should go on with.
 
     Args:
@@ -583,6 +678,9 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         time_limit: seconds per case; default :data:`KERNEL_TIME_LIMIT_S` (read at call time).
         locate: ``locate(index) -> text`` names what owns an output index (e.g. its tile); the
             diagnosis shows it under the first index it quotes.
+        output_names: the names of the kernel's outputs, for messages (default: those of
+            ``run.outputs`` when ``run`` is a :class:`LayoutRun`).
+        features: as in :func:`course_lib.checks.check_function` (the differential diagnosis).
 
     Raises:
         ExerciseFailed: with a short diagnosis when the kernel is wrong, fails to compile or
@@ -591,6 +689,9 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
     problem: list[str] = []
     cases = list(cases)
     current: list[str] = []  # the case in hand, as the diagnosis names it
+    faulted: list[bool] = []  # a kernel error outside the guard on a GPU: later cases unrun
+    if output_names is None and getattr(run, "outputs", None):
+        output_names = [getattr(o, "name", f"output {i}") for i, o in enumerate(run.outputs)]
 
     def describe(args, kwargs):
         for n, case in enumerate(cases, 1):
@@ -598,6 +699,7 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                 return f"case {n} of {len(cases)}, {case.describe()}"
         return Case(args, kwargs).describe()
 
+    @functools.wraps(reference)  # its argument names name the inputs in the diagnosis
     def tracked_reference(*args, **kwargs):
         # check_function calls the reference on a case's own tensors just before it runs the
         # learner's answer on copies of them (which identity cannot match to a case)
@@ -605,6 +707,8 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         return reference(*args, **kwargs)
 
     def attempt(*args, **kwargs):
+        if faulted:  # a GPU that faulted may fail every launch after: no evidence from them
+            raise checks.NoEvidence()
         try:
             return run(*args, **kwargs)
         except KernelProblem as exc:
@@ -624,6 +728,8 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
                 raise NotImplementedError(exercise) from None
             problem.append(f"your kernel failed on {current[0]}"
                            f"\n  {summarize_kernel_error(exc)}")
+            if not _runtime().interpreted:
+                faulted.append(True)
             raise KernelProblem(problem[-1]) from None
         # SystemExit and KeyboardInterrupt (BaseException, not Exception: Triton's interpreter
         # does not wrap them) go on to check_function, which diagnoses them
@@ -633,14 +739,25 @@ def check_kernel(exercise: str, answer, run: Callable, reference: Callable,
         result = checks.check_function(exercise, attempt, tracked_reference, cases,
                                        fallback=fallback, tolerance=tolerance, mistakes=mistakes,
                                        time_limit=time_limit or KERNEL_TIME_LIMIT_S,
-                                       subject="your kernel", output=output)
+                                       subject="your kernel", output=output,
+                                       output_names=output_names, features=features)
     except ExerciseFailed as failed:
         message = str(failed)
         if problem and "wrong answer on case" not in message.split("\n")[0]:
-            # the kernel crashed or broke a guard: its diagnosis, not check_function's
-            message = "\n".join([f"✗ {exercise}: {problem[0]}", *output.excerpt("your kernel")])
-        raise checks.failed_with(exercise, _with_location(message, locate)) from None
+            # the kernel crashed or broke a guard: its diagnosis, not check_function's, with
+            # what the other cases showed
+            message = "\n".join([f"✗ {exercise}: {problem[0]}", *failed.evidence,
+                                  *output.excerpt("your kernel")])
+        raise _carrying(checks.failed_with(exercise, _with_location(message, locate)),
+                        failed) from None
     return answer if result is attempt else result
+
+
+def _carrying(exc: ExerciseFailed, source: ExerciseFailed) -> ExerciseFailed:
+    """``exc`` with the evidence of ``source`` (check_function's), for checks that rewrite it."""
+    for name in ("evidence", "outcomes", "output_names", "headline", "experiments"):
+        setattr(exc, name, getattr(source, name, None))
+    return exc
 
 
 _INDEX = re.compile(r"first (?:bad element )?at index \(([\d, ]+)\)")
@@ -726,19 +843,22 @@ class Out:
 
 
 _GUARD_LINE = re.compile(r"would (read|write) (\d+) of its (\d+) active lane")
+_GUARD_PROGRAM = re.compile(r"in program id \(([\d, ]*)\)")
 _GUARD_LANE = re.compile(r"first bad lane: `([^`]+)` \(([\d, ]*)\) at index \(([\d, ]*)\)")
 
 
 def guard_evidence(message: str) -> dict | None:
     """What a :class:`MemoryViolation` message says, as fields: ``op`` (read or
-    write), ``bad`` and ``lanes`` (counts), ``tensor``, ``shape``, ``index``; None when the
-    message has none of them (e.g. a store into an input)."""
+    write), ``bad`` and ``lanes`` (counts), ``tensor``, ``shape``, ``index``, ``program`` (the
+    program id, a tuple); None when the message has none of them (e.g. a store into an input)."""
     line, lane = _GUARD_LINE.search(message), _GUARD_LANE.search(message)
     if not (line and lane):
         return None
     ints = lambda text: tuple(int(v) for v in text.split(",") if v.strip())  # noqa: E731
+    program = _GUARD_PROGRAM.search(message)
     return {"op": line.group(1), "bad": int(line.group(2)), "lanes": int(line.group(3)),
-            "tensor": lane.group(1), "shape": ints(lane.group(2)), "index": ints(lane.group(3))}
+            "tensor": lane.group(1), "shape": ints(lane.group(2)), "index": ints(lane.group(3)),
+            "program": ints(program.group(1)) if program else ()}
 
 
 def _first_fp_error(exc: BaseException) -> str | None:
@@ -767,7 +887,9 @@ class LayoutRun:
     launch: Callable
     names: Sequence[str]
     outputs: Sequence[Out]
-    guard_hint: Callable | None = None  # guard_hint(evidence dict, params) -> extra line or None
+    # guard_hint(evidence dict, params) -> extra line or None; params hold the launch's keyword
+    # parameters and, under "inputs", the inputs as the check made them
+    guard_hint: Callable | None = None
     nonfinite: dict = field(default_factory=dict)  # call number -> the first FP error seen
     calls: int = 0
 
@@ -797,7 +919,8 @@ class LayoutRun:
                                   if isinstance(e, MemoryViolation)), None)
                 if violation is None:
                     raise
-                hint = self.guard_hint and self.guard_hint(guard_evidence(str(violation)), params)
+                hint = self.guard_hint and self.guard_hint(guard_evidence(str(violation)),
+                                                           {**params, "inputs": inputs})
                 raise MemoryViolation(
                     str(violation) + (f"\n  {hint}" if hint else "")) from None
         if inputs[0].device.type == "cuda":
@@ -849,7 +972,7 @@ def with_evidence(message: str, run: LayoutRun) -> str:
     """``message`` with the first floating-point error the run saw on the case it shows."""
     found = re.search(r"wrong answer on case (\d+)", message)
     error = found and run.nonfinite.get(int(found.group(1)))
-    if not error:
+    if not error or "the first invalid operation NumPy saw" in message:  # said once is enough
         return message
     lines = message.splitlines()
     at = next((i for i, line in enumerate(lines) if "NaN/inf" in line), 2)
@@ -858,20 +981,31 @@ def with_evidence(message: str, run: LayoutRun) -> str:
     return "\n".join(lines)
 
 
-def layout_experiments(correct: Callable, case: Case, names: Sequence[str]) -> str | None:
+def dense_case(case: Case) -> Case | None:
+    """``case`` with every tensor dense and row-major, or None when it has no layouts."""
+    kwargs = dict(case.kwargs or {})
+    layouts = tuple(kwargs.get("layouts") or ())
+    if not any(layouts):
+        return None
+    return LayoutCase(case.args, {**kwargs, "layouts": tuple(None for _ in layouts)})
+
+
+def layout_experiments(correct: Callable, case: Case, names: Sequence[str],
+                       dense_right: bool | None = None) -> str | None:
     """Which tensors' layouts a wrong answer depends on, found by rerunning ``case``.
 
     ``correct(case) -> bool`` runs the learner's kernel (False when it fails in any way). The
     case is rerun with every tensor dense and row-major, then with one tensor at a time in the
     case's own layout. Returns a line naming the tensors whose own layout alone makes the
     answer wrong, or None when the answer is wrong on dense tensors too (not a layout problem).
+    ``dense_right``: the dense run's outcome when the caller already knows it.
     """
     kwargs = dict(case.kwargs or {})
     layouts = tuple(kwargs.get("layouts") or ())
-    if not any(layouts):
+    dense = dense_case(case)
+    if dense is None:
         return None
-    dense = tuple(None for _ in layouts)
-    if not correct(LayoutCase(case.args, {**kwargs, "layouts": dense})):
+    if not (correct(dense) if dense_right is None else dense_right):
         return None
     culprits = []
     for i, lay in enumerate(layouts):
@@ -909,16 +1043,52 @@ def _insert_before_tail(lines: list[str], line: str) -> list[str]:
     return lines[:at] + [line] + lines[at:]
 
 
+def layout_features(case: Case, names: Sequence[str]) -> dict:
+    """The features of a case's layouts (its ``layouts`` kwarg, one per tensor of ``names``)
+    for the differential diagnosis: which tensors have their dims permuted in memory, gaps
+    inside them, or a column stride other than 1."""
+    feats = {}
+    for name, lay in zip(names, (case.kwargs or {}).get("layouts") or ()):
+        if lay is None:
+            continue
+        ndim = len(lay.order)
+        inner = lay.order[1:]  # the pad of the outermost dim in memory only adds room past the end
+        feats[f"the dims of `{name}` permuted in memory"] = tuple(lay.order) != tuple(range(ndim))
+        feats[f"gaps between the rows or heads of `{name}`"] = any(
+            p for d, p in zip(lay.order, lay.pad) if d in inner)
+        feats[f"a column stride of `{name}` other than 1"] = ndim >= 2 and lay.order[-1] != ndim - 1
+    return feats
+
+
+LAYOUT_FEATURE = re.compile(r"(permuted in memory|gaps between the rows or heads|a column stride "
+                            r"of `[^`]+` other than 1)")
+
+
+def _with_layout_features(cases: Sequence[Case], names: Sequence[str]) -> list[Case]:
+    out = []
+    for case in cases:
+        found = {**layout_features(case, names), **(case.features or {})}
+        copy = type(case)(case.args, case.kwargs, case.label) if isinstance(case, LayoutCase) \
+            else Case(case.args, case.kwargs, case.label)
+        copy.features = found
+        out.append(copy)
+    return out
+
+
 def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callable,
                         cases: Sequence[Case], *, fallback, mistakes: dict, names: Sequence[str],
-                        tolerance=None, locate: Callable | None = None):
+                        tolerance=None, locate: Callable | None = None,
+                        output_names: Sequence[str] | None = None, features=None):
     """:func:`check_kernel` on cases whose kwargs give layouts and launch
     parameters; adds the evidence of the run (the first invalid floating-point operation) and
-    of :func:`layout_experiments` to a failure's diagnosis. ``reference`` and the mistake
+    of :func:`layout_experiments` to a failure's diagnosis, and the layouts to the features of
+    the differential diagnosis (:func:`layout_features`). ``reference`` and the mistake
     models take the case's kwargs (``layouts=`` included; they may ignore it)."""
+    cases = _with_layout_features(cases, names)
     try:
         return check_kernel(exercise, answer, run, reference, cases, fallback=fallback,
-                            mistakes=mistakes, tolerance=tolerance)
+                            mistakes=mistakes, tolerance=tolerance, output_names=output_names,
+                            features=features)
     except ExerciseFailed as failed:
         message = with_evidence(str(failed), run)
         lines = message.splitlines()
@@ -932,7 +1102,7 @@ def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callab
                     break
         found = re.search(r"on case (\d+) of", message)
         skip = ("stopped after", "sys.exit", "KeyboardInterrupt", "likely cause", "two known mistakes")
-        if found and not any(s in message for s in skip):
+        if found:
             case = cases[int(found.group(1)) - 1]
 
             def correct(c: Case) -> bool:
@@ -945,11 +1115,34 @@ def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callab
                 except (Exception, SystemExit):  # noqa: BLE001 - any failure is "not right"
                     return False
 
-            line = layout_experiments(correct, case, names)
-            if line:  # the layout explains it: drop the guess about masks
-                lines = _insert_before_tail([x for x in lines if not x.startswith("  hint: ")],
-                                            f"  {line}")
+            dense_right = None
+            if failed.outcomes and dense_case(case) is not None and any(
+                    LAYOUT_FEATURE.search(x) for x in lines if x.startswith("  evidence: ")):
+                # a contrast that names a layout is evidence only if the layout matters: the
+                # same case on dense tensors says whether it does
+                dense_right = correct(dense_case(case))
+                if not dense_right:
+                    lines = _without_layout_evidence(lines, failed)
+            if not any(x in message for x in skip):
+                line = layout_experiments(correct, case, names, dense_right)
+                if line:  # the layout explains it: drop the guess about masks
+                    lines = _insert_before_tail([x for x in lines if not x.startswith("  hint: ")],
+                                                f"  {line}")
         raise checks.failed_with(exercise, "\n".join(lines)) from None
+
+
+def _without_layout_evidence(lines: list[str], failed: ExerciseFailed) -> list[str]:
+    """``lines`` with the evidence lines recomputed from features that leave the layouts out."""
+    from course_lib import diagnosis
+
+    outcomes = [diagnosis.Outcome(o.n, {k: v for k, v in o.features.items()
+                                        if not LAYOUT_FEATURE.search(k)},
+                                  o.status, o.got, o.want, o.tolerance, o.inputs)
+                for o in failed.outcomes]
+    fresh = diagnosis.diagnose(outcomes, failed.output_names, failed.headline, failed.experiments)
+    at = next((i for i, x in enumerate(lines) if x.startswith("  evidence: ")), None)
+    kept = [x for x in lines if not x.startswith("  evidence: ")]
+    return kept if at is None else kept[:at] + fresh + kept[at:]
 
 
 def _params(kwargs: dict) -> dict:

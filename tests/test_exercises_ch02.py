@@ -388,3 +388,13 @@ def test_table_hints_and_skeleton():
     ladder = HintLadder("Exercise 2.3", ch02.TABLE_HINTS, skeleton=ch02.TABLE_SKELETON)
     assert ladder.next_hint() == ch02.TABLE_HINTS[0]
     assert "balance = ..." in ladder.show_skeleton()
+
+
+def test_a_case_that_quotes_the_reading_names_its_article():
+    """Issue 32: "the reading's N=1024" in a check message did not say which article."""
+    import re
+
+    for case in [*ch02.CASES, *ch02.TABLE_CASES]:
+        if re.search(r"\bthe reading\b|reading's", case.label):
+            raise AssertionError(f"a case label quotes the reading without its article: {case.label}")
+    assert any("the CS 229s notes'" in case.label for case in ch02.TABLE_CASES)

@@ -8,6 +8,7 @@ import linecache
 import numpy as np
 import pytest
 
+from corpus_checks import assert_rejected
 from course_lib import iomodel, tiled
 from course_lib.checks import ExerciseFailed
 from course_lib.exercises import ch04
@@ -727,3 +728,38 @@ def test_learner_42_mistakes_rejected_with_the_right_cause_or_none(answer, expec
         ch04.check_causal_skip_grid(answer)
     named = [line for line in str(info.value).split("\n") if line.startswith("  likely cause:")]
     assert named == ([] if expect is NO_CAUSE else [f"  likely cause: {expect}"]), str(info.value)
+
+
+def _forward_m_from_zero(q, k, v, causal=False, scale=None, block_m=16, block_n=16):
+    """FA2 as a learner writes it, right but for the running max, which starts at 0."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    o = np.zeros(q.shape[:-1] + (v.shape[-1],), q.dtype)
+    lse = np.zeros(q.shape[:-1], q.dtype)
+    for q0 in range(0, n_q, block_m):
+        q1 = min(q0 + block_m, n_q)
+        q_i = q[..., q0:q1, :]
+        m = np.zeros(q_i.shape[:-1])  # should be -inf
+        l, acc = np.zeros(q_i.shape[:-1]), np.zeros(q_i.shape[:-1] + (v.shape[-1],))
+        for k0 in range(0, n_k, block_n):
+            if causal and k0 > q1 - 1:
+                break
+            k1 = min(k0 + block_n, n_k)
+            s = scale * q_i @ np.swapaxes(k[..., k0:k1, :], -1, -2)
+            if causal:
+                s = np.where(np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None], s, -np.inf)
+            m_new = np.maximum(m, s.max(-1))
+            p, alpha = np.exp(s - m_new[..., None]), np.exp(m - m_new)
+            l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ v[..., k0:k1, :], m_new
+        o[..., q0:q1, :], lse[..., q0:q1] = acc / l[..., None], m + np.log(l)
+    return o, lse
+
+
+def test_a_row_whose_visible_scores_are_all_below_minus_750_catches_a_max_started_at_0():
+    """Issue 32: no case had such a row, so a running max started at 0 (exp(s - 0) underflows
+    to 0 for every key, l = 0, 0/0) passed exercise 4.4."""
+    cases = ch04._whole_cases()
+    assert sum("visible scores all below -750" in c.label for c in cases) == 1
+    message = assert_rejected(ch04.check_flash_forward, _forward_m_from_zero, None)
+    assert "visible scores all below -750" in message and "first bad query row: 5" in message
+    assert "underflowed to 0" in message and "a fully masked row?" not in message, message

@@ -517,7 +517,7 @@ def backward_q_outer(q, k, v, o, lse, do, causal, scale, block_m, block_n):
 
 
 def backward_untiled_rows(q, k, v, o, lse, do, causal, scale, block_m, block_n):
-    """Correct but ignores the tiles: whole rows of P at once (the check judges values)."""
+    """Right numbers, but ignores the tiles: whole rows of P at once, the hidden tiles too."""
     s = scale * q @ k.T
     if causal:
         s = np.where(np.arange(k.shape[0])[None, :] <= np.arange(q.shape[0])[:, None], s, -np.inf)
@@ -527,10 +527,41 @@ def backward_untiled_rows(q, k, v, o, lse, do, causal, scale, block_m, block_n):
 
 
 @pytest.mark.parametrize("fn", [backward_with(None), backward_two_pass, backward_q_outer,
-                                backward_untiled_rows, lambda *a: ch07._backward_variant(*a)])
+                                lambda *a: ch07._backward_variant(*a)])
 def test_flash_backward_correct_answers_pass(fn, capsys):
     assert ch07.check_flash_backward(fn) is fn
     assert "✓ Exercise 7.4: passed" in capsys.readouterr().out
+
+
+def learner_backward_no_skip(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    """Tiled, masked, but never skips a tile: the hidden tiles are computed and masked to 0."""
+    n_q, n_k = len(q), len(k)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    big_d = np.sum(o * do, axis=1)
+    for k0 in range(0, n_k, block_n):
+        k1 = min(k0 + block_n, n_k)
+        for q0 in range(0, n_q, block_m):
+            q1 = min(q0 + block_m, n_q)
+            s = scale * q[q0:q1] @ k[k0:k1].T
+            if causal:
+                s = np.where(np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None], s, -np.inf)
+            p = np.exp(s - lse[q0:q1, None])
+            ds = p * (do[q0:q1] @ v[k0:k1].T - big_d[q0:q1, None])
+            dv[k0:k1] += p.T @ do[q0:q1]
+            dk[k0:k1] += scale * ds.T @ q[q0:q1]
+            dq[q0:q1] += scale * ds @ k[k0:k1]
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("fn, line", [(backward_untiled_rows, "s = scale * q @ k.T"),
+                                      (learner_backward_no_skip, "s = scale * q[q0:q1] @ k[k0:k1].T")])
+def test_flash_backward_that_computes_hidden_tiles_is_rejected(fn, line):
+    """Issue 32: 7.4 counts the (Q tile, K/V tile) pairs an answer computes, as 4.4 counts loads:
+    right numbers from a backward that computes the tiles the causal mask hides is wasted work."""
+    message = assert_rejected(ch07.check_flash_backward, fn, None)
+    assert "right numbers, but hidden tiles computed on case 2 of 6" in message, message
+    assert line in message and "Q tile 0 × K/V tile 1" in message, message
+    assert "q_end − 1 < k_start" in message
 
 
 @pytest.mark.parametrize("bug,cause", [

@@ -742,7 +742,7 @@ COMBINE_KERNEL_CORPUS = {k.value: found for k, found in {
                                        gpu="your kernel wrote 96 value(s) outside out (2, 3, 2, 24)")),
     C_O_ROW_STRIDE_OF_M: ("seen", "✗ Exercise 8.5"),
     C_PIDS_REVERSED: ("seen", "✗ Exercise 8.5"),
-    C_LSE_PLAIN_L: ("seen", "output [1]"),
+    C_LSE_PLAIN_L: ("seen", "`lse`: max abs error"),
 }.items()}
 COMBINE_VALID = [C_RIGHT.value, C_VALID_EXP2.value, C_VALID_WHERE.value, C_VALID_LOOP.value]
 

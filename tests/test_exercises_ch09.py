@@ -726,3 +726,24 @@ def test_descriptor_allocator_is_set_only_on_a_gpu(monkeypatch):
     monkeypatch.setattr(triton, "set_allocator", calls.append)
     hopper.ensure_descriptor_allocator()
     assert len(calls) == (1 if runtime.current().on_gpu else 0)
+
+
+def test_a_dtype_slip_in_scale_is_reported_on_scale():
+    """Issue 32: without x.float(), a float16 input gives a float16 scale, which also changes
+    x_fp8's values; the message named x_fp8's values (whose dtype is right), now the dtype of
+    `scale`."""
+    def no_upcast(x, block=None):
+        n = x.shape[-2]
+        block = n if block is None else block
+        n_blocks = -(-n // block)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, n_blocks * block - n))
+        amax = padded.abs().unflatten(-2, (n_blocks, block)).amax(dim=(-2, -1))
+        scale = torch.where(amax > 0, amax / fp8.E4M3_MAX, torch.ones_like(amax))[..., None]
+        rows = scale.repeat_interleave(block, dim=-2)[..., :n, :]
+        return (x / rows).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+    with pytest.raises(ExerciseFailed) as info:
+        ch09.check_quantize_e4m3(no_upcast)
+    message = str(info.value)
+    assert "`scale`: dtype float16 but expected float32" in message, message
+    assert "`x_fp8`: max abs error" not in message and "output [0]" not in message

@@ -184,7 +184,7 @@ def test_tile_list_cases_hold_every_tile_class_and_ragged_tiles():
 # a constexpr (0 right, VALID_* right in other styles, the rest one mistake each).
 
 (RIGHT, START_NEXT, LEN_IS_END, NO_START_KV, KV_MODULO, KV_DIVIDE, NO_HEAD_KV, Q_HEAD_FOR_KV,
- O_NO_START, K_STRIDE_OF_Q, VALID_PAIR, VALID_GROUP_MUL, VALID_INT64) = range(13)
+ O_NO_START, K_STRIDE_OF_Q, VALID_PAIR, VALID_GROUP_MUL, VALID_INT64, BASE_HAS_TILE) = range(14)
 
 
 @triton.jit
@@ -238,6 +238,9 @@ def _varlen_learner(Q, K, V, O, CU_SEQLENS,
         o_base = O + h * stride_oh
     else:
         o_base = O + start * stride_ot + h * stride_oh
+    if WHICH == BASE_HAS_TILE:  # the tile's rows in the base, and again in offs_m below
+        q_base = Q + (start + tile * BLOCK_M) * stride_qt + h * stride_qh
+        o_base = O + (start + tile * BLOCK_M) * stride_ot + h * stride_oh
     # (the part the notebook gives)
     start_m = tile * BLOCK_M
     if start_m < seq_len:
@@ -341,7 +344,8 @@ def _varlen_stub(Q, K, V, O, CU_SEQLENS, stride_qt, stride_qh, stride_qd, stride
 
 (B_RIGHT, NO_PARTIAL_MASK, T_AS_TILE, LIST_ROW0, FLAG_BY_TILE, NO_RESCALE, RAGGED_OPEN, NO_SAFE_MAX,
  LSE_LOG2, MASK_ZERO, KV_UNMASKED_LOADS, FLAG_INVERTED, MASK_LOAD_UNMASKED, NO_HEAD_KV_3,
- MASK_STRIDES_SWAPPED, VALID_MASK_EVERY_TILE, VALID_NATURAL_EXP, VALID_FINITE_MASK) = range(18)
+ MASK_STRIDES_SWAPPED, VALID_MASK_EVERY_TILE, VALID_NATURAL_EXP, VALID_FINITE_MASK,
+ LSE_CONTIGUOUS, Q_UNMASKED) = range(20)
 
 
 @triton.jit
@@ -357,8 +361,11 @@ def _sparse_learner(Q, K, V, O, LSE, KV_NUM_BLOCKS, KV_INDICES, KV_PARTIAL, MASK
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=offs_m[:, None] < n_q, other=0.0)
+    if WHICH == Q_UNMASKED:
+        q = tl.load(Q + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd)
+    else:
+        q = tl.load(Q + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                    mask=offs_m[:, None] < n_q, other=0.0)
     neg = float("-inf")
     if WHICH == VALID_FINITE_MASK:
         neg = -1.0e30
@@ -445,7 +452,10 @@ def _sparse_learner(Q, K, V, O, LSE, KV_NUM_BLOCKS, KV_INDICES, KV_PARTIAL, MASK
     rows = offs_m < n_q
     tl.store(O + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              o.to(O.dtype.element_ty), mask=rows[:, None])
-    tl.store(LSE + h * stride_lh + offs_m * stride_ln, lse, mask=rows)
+    if WHICH == LSE_CONTIGUOUS:  # lse assumed dense (H, N_q): its strides ignored
+        tl.store(LSE + h * n_q + offs_m, lse, mask=rows)
+    else:
+        tl.store(LSE + h * stride_lh + offs_m * stride_ln, lse, mask=rows)
 
 
 _B = list(ch10.BLOCK_SPARSE_MISTAKES)
@@ -516,3 +526,153 @@ def test_block_sparse_hint_ladder_and_skeleton():
                         skeleton=ch10.BLOCK_SPARSE_SKELETON)
     assert ladder.next_hint() == ch10.BLOCK_SPARSE_HINTS[0]
     assert "for t in range(0, num)" in ladder.show_skeleton()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 32: inputs the contract allows (lse with its own strides), messages made true
+
+
+def test_10_1_names_its_outputs():
+    """The lists are named in the message (it said "output [0]" for kv_num_blocks)."""
+    def counts_from_one(mask, block_m, block_n):
+        num, idx, part = ch10.tile_lists_reference(mask, block_m, block_n)
+        return num + 1, idx, part
+    message = assert_rejected(ch10.check_tile_lists, counts_from_one, None)
+    assert "`kv_num_blocks`: " in message and "output [0]" not in message, message
+
+
+def test_10_2_a_row_past_the_batch_is_told_by_the_slip_it_fits():
+    """A row past the packed batch was always "seq_len is its length, not its end"; a base offset
+    that already includes the tile's rows reads past it too, and is now told apart."""
+    with pytest.raises(ExerciseFailed) as info:
+        ch10.check_varlen_kernel(_Learner(_varlen_learner, BASE_HAS_TILE))
+    message = str(info.value)
+    if expect(cpu=True, gpu=False):
+        assert "It fits one slip: the base offset already includes the tile's rows" in message, \
+            message
+    assert "its length, not its end" not in message and "sample's end, not its length" \
+        not in message
+    with pytest.raises(ExerciseFailed) as info:
+        ch10.check_varlen_kernel(_Learner(_varlen_learner, LEN_IS_END))
+    if expect(cpu=True, gpu=False):
+        assert "It fits one slip: seq_len is the sample's end, not its length" in str(info.value)
+
+
+def test_10_2_other_failing_cases_include_the_out_of_bounds_one():
+    """h // n_kv_heads is wrong on case 1 and reads a K/V head that does not exist on case 3:
+    "(also wrong on …)" left case 3 out."""
+    with pytest.raises(ExerciseFailed) as info:
+        ch10.check_varlen_kernel(_Learner(_varlen_learner, KV_DIVIDE))
+    assert "(also wrong on cases 2, 3 (3 crashed); right on 0 of 3)" in str(info.value), \
+        str(info.value)
+
+
+def test_10_3_lse_has_its_own_strides_in_the_cases():
+    dense = []
+    for case in ch10._block_sparse_cases("cpu"):
+        lse_layout = case.kwargs["layouts"][-1]
+        q = case.args[0]
+        dense.append(lse_layout.strides(tuple(q.shape[:2])) == (q.shape[1], 1))
+    assert not any(dense)
+    message = assert_rejected(ch10.check_block_sparse_kernel,
+                              _Learner(_sparse_learner, LSE_CONTIGUOUS), None)
+    assert message.startswith("✗ Exercise 10.3"), message
+
+
+def test_10_3_an_unmasked_q_load_is_told_as_a_missing_row_mask():
+    """The last Q tile's rows run past N_q: the guard said "the batch or head offset is too
+    large … lanes of one tile never need a mask there"."""
+    message = assert_rejected(ch10.check_block_sparse_kernel,
+                              _Learner(_sparse_learner, Q_UNMASKED), None)
+    if expect(cpu=True, gpu=False):
+        assert "run past the last row" in message and "needs a mask on its rows" in message, \
+            message
+    assert "never need a mask" not in message and "batch or head offset" not in message
+
+
+def test_10_3_says_the_first_invalid_operation_once():
+    with pytest.raises(ExerciseFailed) as info:
+        ch10.check_block_sparse_kernel(_Learner(_sparse_learner, NO_SAFE_MAX))
+    message = str(info.value)
+    assert message.count("first invalid operation") <= 1, message
+    assert_cause(message, _B, one(_B, "a row that sees no key in its first visited tile"))
+
+
+def test_concept_question_1_takes_the_hints_arithmetic_and_says_the_window_is_one_sided():
+    from course_lib import concept_questions
+    from course_lib.quiz_types import MultipleChoice
+
+    question = concept_questions.questions("10")[0]
+    assert "one-sided" in question.prompt and "none after" in question.prompt
+    hint_estimate = 100 * (4096 // 128 + 1) / (65_536 // 128)  # W / BLOCK_N + 1 of N / BLOCK_N
+    assert question.grade(hint_estimate).correct and question.grade(question.answer).correct
+    assert not question.grade(100 - question.answer).correct and not question.grade(50.0).correct
+    for chapter in ("10", "11"):  # the widget writes "✓ Right." itself: no "Right:" after it
+        for q in concept_questions.questions(chapter):
+            if isinstance(q, MultipleChoice):
+                assert not q.explanations[q.answer].startswith(("Right", "Correct")), q.prompt
+
+
+def _prose(cell_id: str) -> str:
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parent.parent / "solutions"
+                     / "10_masks_in_triton.ipynb").read_text(encoding="utf-8"))
+    return next("".join(c["source"]) for c in nb["cells"] if c.get("id") == cell_id)
+
+
+def test_reading_the_measurements_quotes_the_recorded_speedups_and_says_how():
+    """Two speedups against FA2 varlen (1.85× and 1.43×): the prose says the first takes the
+    faster of two course calls per cell, and every number quoted is the recorded one."""
+    import re
+    import statistics
+
+    from course_lib import mask_results
+
+    data = mask_results.recorded()
+    if data is None:
+        pytest.skip("chapter 10's H100 results are not recorded in this checkout")
+    prose = " ".join(_prose("4893e6a6").split())
+    assert "the faster of the course's two ways to run a packed batch" in prose
+
+    def quoted(pattern):
+        found = re.search(pattern, prose)
+        assert found, pattern
+        return float(found.group(1))
+
+    flex = mask_results.speedup_summary(data, "fwd", "flex")
+    fa2 = mask_results.speedup_summary(data, "fwd", "fa2_varlen")
+    flex_b = mask_results.speedup_summary(data, "fwd+bwd", "flex")
+    fa2_b = mask_results.speedup_summary(data, "fwd+bwd", "fa2_varlen")
+    assert quoted(r"forward ([\d.]+)× FlexAttention") == round(flex["median"], 2)
+    assert quoted(r"\(([\d.]+)× at worst, 88 cells\)") == round(flex["min"], 2)
+    assert quoted(r"and ([\d.]+)× FlashAttention-2's varlen") == round(fa2["median"], 2)
+    assert quoted(r"forward \+ backward ([\d.]+)× FlexAttention") == round(flex_b["median"], 2)
+    assert quoted(r"and ([\d.]+)× FA2 varlen\.") == round(fa2_b["median"], 2)
+    alone = {}
+    for pass_ in mask_results.PASSES:  # flash_attention_varlen alone, cell by cell
+        alone[pass_] = [row["ms"] / mine["ms"] for row in
+                        mask_results.rows_of(data, "fa2_varlen", pass_, None)
+                        if (mine := mask_results.cell(data, "course_varlen", row)) is not None]
+    assert quoted(r"runs at ([\d.]+)× FA2 varlen forward") == round(
+        statistics.median(alone["fwd"]), 2)
+    assert quoted(r"and ([\d.]+)× forward \+ backward at the median") == round(
+        statistics.median(alone["fwd+bwd"]), 2)
+    assert quoted(r"forward \+ backward down to ([\d.]+)×") == round(min(alone["fwd+bwd"]), 2)
+
+
+def test_tile_picker_caption_says_the_recorded_mask_may_be_another():
+    """The picker shows, for a causal mask of 4 documents, the time of a recorded non-causal
+    mask of 10 documents: the caption says so, and the widget's line names that mask."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.widgets.tile_patterns import TilePatterns
+
+    caption = " ".join(_prose("71e6943d").split())
+    assert "need not be the one you picked" in caption and "not causal" in caption
+    picker = TilePatterns(pattern="document", documents=4, seq_len=16384)
+    if picker.recorded is None:
+        pytest.skip("chapter 10's H100 results are not recorded in this checkout")
+    assert picker.recorded["label"] != "4 documents"
+    assert f"nearest recorded mask \"{picker.recorded['label']}\"" in picker.summary.value

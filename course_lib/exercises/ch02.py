@@ -36,8 +36,8 @@ __all__ = ["CASES", "check_softmax_intensity", "check_qk_intensity", "MISTAKES_S
 
 BITS_PER_BYTE = 8
 
-# (seq_len, head_dim, bytes per element): fp16 at the reading's N=1024, fp32, irregular sizes, a
-# sequence shorter than the head dim (the N·d terms outweigh N²) and a single query.
+# (seq_len, head_dim, bytes per element): fp16 at the CS 229s notes' N=1024, fp32, irregular
+# sizes, a sequence shorter than the head dim (the N·d terms outweigh N²) and a single query.
 CASES = [
     Case((1024, 64, 2), label="N=1024, d=64, fp16"),
     Case((4096, 128, 4), label="N=4096, d=128, fp32"),
@@ -224,7 +224,7 @@ TABLE_CASES = [
     Case((3001, 256, "float16", 3, "RTX 4090"), {"causal": False, "dropout": False},
          label="N=3001, d=256, fp16, batch·heads=3, RTX 4090, no mask, no dropout"),
     Case((1024, 64, "float16", 1, "A100 80GB"), {"causal": True, "dropout": True},
-         label="the reading's N=1024, d=64, fp16, 1 head, A100 80GB, causal, dropout"),
+         label="the CS 229s notes' N=1024, d=64, fp16, 1 head, A100 80GB, causal, dropout"),
     Case((4096, 128, "bfloat16", 32, "H100 SXM"), {"causal": True, "dropout": False},
          label="N=4096, d=128, bf16, batch·heads=32, H100 SXM, causal, no dropout"),
     Case((1000, 80, "float32", 12, "A100 80GB PCIe"), {"causal": False, "dropout": True},

@@ -30,6 +30,7 @@ what is recognised; when a wrong answer equals one of them, the check names the 
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import sys
 import warnings
@@ -196,7 +197,8 @@ def check_fa2_forward(fn):
     Returns the learner's function when right, the library's when not done yet.
     """
     return check_function("Exercise 4.1", fn, _reference_forward, _forward_cases(),
-                          fallback=tiled.flash_attention_numpy, mistakes=FORWARD_MISTAKES)
+                          fallback=tiled.flash_attention_numpy, mistakes=FORWARD_MISTAKES,
+                          output_names=("o", "lse"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,6 +334,7 @@ class _Touch:
     kind: str  # "load", "reuse" (a slice used again) or "copy" (the learner's copy of it)
     whole: bool  # the operation used every element of the input
     where: tuple | None  # (filename, line number) in the learner's code
+    op: int = 0  # the NumPy operation it was part of (touches of one product share it)
 
 
 class _LoadLog:
@@ -341,12 +344,27 @@ class _LoadLog:
         self.shapes = {name: x.shape for name, x in inputs.items()}
         self.counts = {name: np.zeros(x.size, dtype=np.int64) for name, x in inputs.items()}
         self.touches: list[_Touch] = []
+        self.op = 0  # counts operations on watched arrays (the touches of one product share it)
+        self.grouping = False  # True while one NumPy operation touches its inputs
+
+    @contextlib.contextmanager
+    def operation(self):
+        """The touches made inside the block belong to one operation (e.g. both sides of a
+        product); any touch outside such a block is an operation of its own."""
+        self.op += 1
+        self.grouping = True
+        try:
+            yield
+        finally:
+            self.grouping = False
 
     def record(self, name: str, ids: np.ndarray, new: np.ndarray, kind: str) -> None:
         n, d = self.shapes[name][-2:]
         self.counts[name][new] += 1
+        if not self.grouping:
+            self.op += 1
         self.touches.append(_Touch(name, np.unique((ids // d) % n), int(new.size), kind,
-                                   ids.size == self.counts[name].size, _learner_line()))
+                                   ids.size == self.counts[name].size, _learner_line(), self.op))
 
     def loads_per_row(self, name: str) -> np.ndarray:
         """(N,) the most times any element of each row was loaded."""
@@ -567,8 +585,10 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
             return attr
 
         def method(*args, **kwargs):
-            self._touch(self._ids)
-            return _numpy(attr, *_plain(args), **_plain(kwargs))
+            with self._log.operation():
+                self._touch(self._ids)
+                args, kwargs = _plain(args), _plain(kwargs)
+            return _numpy(attr, *args, **kwargs)
         return method
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -577,7 +597,9 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
         out_watched = out[0] if out and isinstance(out[0], _Watched) else None
         if out is not None:
             kwargs["out"] = tuple(_plain(o, touch=False) for o in out)
-        result = _numpy(getattr(ufunc, method), *_plain(inputs), **_plain(kwargs))
+        with self._log.operation():
+            inputs, kwargs = _plain(inputs), _plain(kwargs)
+        result = _numpy(getattr(ufunc, method), *inputs, **kwargs)
         if out_watched is not None:
             return out_watched
         # an element-wise operation on one watched array (q * scale): the learner's copy of it
@@ -597,7 +619,9 @@ class _Watched(np.lib.mixins.NDArrayOperatorsMixin):
             return w._view(func(w._data, *rest, **kw), func(w._ids, *rest, **kw))
         if func in _COPY_FUNCTIONS and args and isinstance(args[0], _Watched):
             return args[0]._learner_copy(func(args[0]._data, *args[1:], **kwargs))
-        return _numpy(func, *_plain(args), **_plain(kwargs))
+        with self._log.operation():
+            args, kwargs = _plain(args), _plain(kwargs)
+        return _numpy(func, *args, **kwargs)
 
 
 def _watch(inputs: dict) -> tuple[_LoadLog, list[_Watched]]:
@@ -815,7 +839,8 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, order):
 
     try:
         result = check_function(exercise, watched_fn, reference, cases, fallback=library,
-                                mistakes=mistakes, quiet=True, output=output)
+                                mistakes=mistakes, quiet=True, output=output,
+                                output_names=("o", "lse"))
     except checks.ExerciseFailed as failure:
         lines = str(failure).split("\n")
         head = lines[0]
@@ -830,8 +855,8 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, order):
                 and _only_ragged_rows_wrong(outputs, cases, reference):
             extra.append(f"  likely cause: {RAGGED_Q_DROPPED}")
         at = next((i for i, text in enumerate(lines)
-                   if text.startswith(("  likely cause:", "  two known mistakes", "  (also wrong",
-                                       "  your function printed"))), len(lines))
+                   if text.startswith(("  likely cause:", "  two known mistakes", "  evidence:",
+                                       "  (also wrong", "  your function printed"))), len(lines))
         message = "\n".join(lines[:at] + [e for e in extra if e] + lines[at:])
         raise checks.failed_with(exercise, message) from None
     if result is not watched_fn:  # not done yet (on some case): let the check say so
@@ -914,8 +939,35 @@ def _cases(which: str, seed: int) -> list[Case]:
 
 
 def _whole_cases():
-    """The cases of exercises 4.4 and 4.5 (see _CASE_SPECS)."""
-    return _cases("whole", 44)
+    """The cases of exercises 4.4 and 4.5 (see _CASE_SPECS), and one whose query row
+    UNDERFLOW_ROW sees only scores below UNDERFLOW_SCORE (:func:`_underflow_case`)."""
+    return _cases("whole", 44) + [_underflow_case(np.random.default_rng(45))]
+
+
+# exp(s) underflows to 0 in float64 below about -745: a running max started at 0 instead of -inf
+# gives every key of a row whose scores are all below this a weight exp(s - 0) = 0, so l = 0 and
+# the row is 0/0. The contract allows such rows (any finite q, k); a right answer subtracts the
+# row's own max.
+UNDERFLOW_SCORE = -750.0
+UNDERFLOW_ROW = 5
+
+
+def _underflow_case(rng) -> Case:
+    """Causal, N_q=20, N_k=27, d=4, d_v=3, BLOCK_M=8, BLOCK_N=6: q row UNDERFLOW_ROW points away
+    from every key (k's first column is 30–40, the row's is -60), so its scores lie between
+    about -1200 and -900, all below UNDERFLOW_SCORE; the other rows are N(0, 1)."""
+    n_q, n_k, d, d_v = 20, 27, 4, 3
+    q, k, v = rng.standard_normal((n_q, d)), rng.standard_normal((n_k, d)), rng.standard_normal((n_k, d_v))
+    k[:, 0] = rng.uniform(30.0, 40.0, n_k)
+    q[UNDERFLOW_ROW] = 0.0
+    q[UNDERFLOW_ROW, 0] = -60.0
+    scores = q[UNDERFLOW_ROW] @ k[:UNDERFLOW_ROW + 1].T / np.sqrt(d)  # the keys the row sees
+    assert scores.max() < UNDERFLOW_SCORE
+    return Case((q, k, v), {"causal": True, "block_m": 8, "block_n": 6}, label=(
+        f"float64, N_q={n_q}, N_k={n_k}, d={d}, d_v={d_v}, BLOCK_M=8, BLOCK_N=6, causal=True, "
+        f"scale=1/sqrt(d), query row {UNDERFLOW_ROW}'s visible scores all below "
+        f"{UNDERFLOW_SCORE:g}"), features={f"a row whose visible scores are all below "
+                                          f"{UNDERFLOW_SCORE:g}": True})
 
 
 def _step_state_reset(m_i, l_i, acc, s, v_tile):

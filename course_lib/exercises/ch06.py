@@ -801,7 +801,7 @@ def check_forward_kernel(launcher):
     return ch05.check_layout_kernel(
         "Exercise 6.5", launcher, forward_runner(launcher), _forward_reference,
         _forward_cases(_rt.device), fallback=library_forward, mistakes=FORWARD_MISTAKES,
-        names=("q", "k", "v"), locate=_forward_row_of)
+        names=("q", "k", "v"), locate=_forward_row_of, output_names=("o", "lse"))
 
 
 FORWARD_HINTS = [

@@ -37,6 +37,7 @@ when exactly one mistake model reproduces the answer on every case.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -72,12 +73,12 @@ __all__ = ["D_MISTAKES", "DS_MISTAKES", "DK_DV_MISTAKES", "d_cases", "ds_cases",
 _SEED = 707
 
 
-def _check(exercise, fn, reference, cases, mistakes, writable=()):
+def _check(exercise, fn, reference, cases, mistakes, writable=(), output_names=None):
     """check_function with the library's version as fallback; returns the learner's own function
     on a pass. ``check_function`` already gives the learner copies of the inputs and names an
     input changed in place, except those listed in ``writable``."""
     chosen = check_function(exercise, fn, reference, cases, fallback=reference, mistakes=mistakes,
-                            writable=writable)
+                            writable=writable, output_names=output_names)
     return reference if chosen is reference else fn
 
 
@@ -298,7 +299,8 @@ def dk_dv_cases(seed: int = _SEED + 2) -> list[Case]:
 def check_dk_dv_step(fn):
     """Exercise 7.3: check the learner's ``dk_dv_step(...)``; returns the function to use."""
     return _check("Exercise 7.3", fn, tb.dk_dv_step, dk_dv_cases(), DK_DV_MISTAKES,
-                  writable=("dk_j", "dv_j"))  # an in-place `dk_j += ...` is a fine answer
+                  writable=("dk_j", "dv_j"),  # an in-place `dk_j += ...` is a fine answer
+                  output_names=("dk_j", "dv_j"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,10 +387,12 @@ def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, name
     default by the outputs' dtype (``checks.TOLERANCES``).
     """
     cases = list(cases)
-    state = {"n": 0, "problem": None}
+    state = {"n": 0}
     got_of, wrong_of = {}, {}  # case number -> what fn returned, which outputs were wrong
+    problems = {}  # case number -> the runner's own diagnosis (_Diagnosed) on that case
     number = {id(case.args[0]): n for n, case in enumerate(cases, 1)}
 
+    @functools.wraps(reference)  # its argument names name the inputs in the diagnosis
     def tracked_reference(*args, **kwargs):
         state["n"] += 1
         state["want"] = reference(*args, **kwargs)
@@ -399,7 +403,7 @@ def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, name
         try:
             out = fn(*args, **kwargs)
         except _Diagnosed as exc:  # the runner named the cause: that is the whole diagnosis
-            state["problem"] = str(exc)
+            problems.setdefault(n, str(exc))
             raise
         got_of[n] = out
         want = state["want"]
@@ -419,16 +423,20 @@ def _check_gradients(exercise, fn, reference, cases, *, fallback, mistakes, name
     try:
         if kernel_check is not None:
             return kernel_check(exercise, answer, recorded, tracked_reference, cases,
-                                fallback=fallback, tolerance=tolerance, mistakes=models)
+                                fallback=fallback, tolerance=tolerance, mistakes=models,
+                                output_names=names)
         chosen = check_function(exercise, recorded, tracked_reference, cases, fallback=fallback,
-                                tolerance=tolerance, quiet=quiet, mistakes=models)
+                                tolerance=tolerance, quiet=quiet, mistakes=models,
+                                output_names=names)
         return fn if chosen is recorded else chosen
     except ExerciseFailed as failure:
         message = str(failure)
-        if state["problem"] is not None:
-            n = state["n"]
-            raise checks.failed_with(exercise, f"✗ {exercise}: {state['problem']}\n  on case {n} "
-                                               f"of {len(cases)} — {cases[n - 1].label}") from None
+        shown = re.search(r"case (\d+)", message.split("\n")[0])  # the case the message is about
+        if shown and int(shown.group(1)) in problems:
+            n = int(shown.group(1))
+            raise checks.failed_with(exercise, "\n".join(
+                [f"✗ {exercise}: {problems[n]}", f"  on case {n} of {len(cases)} — "
+                                                 f"{cases[n - 1].label}", *failure.evidence])) from None
         lines = message.splitlines()
         found = _WRONG_CASE.match(lines[0]) if lines else None
         if not found:
@@ -646,10 +654,69 @@ def check_flash_backward(fn):
     block_m, block_n) -> (dq, dk, dv)`` (one head, 2-D arrays); returns the function to use
     (the library's :func:`course_lib.tiled_backward.flash_attention_numpy_backward` when not
     done yet)."""
-    return _check_gradients("Exercise 7.4", fn, _reference_backward, backward_cases(),
-                            fallback=tb.flash_attention_numpy_backward,
-                            mistakes=BACKWARD_MISTAKES, names=("dq", "dk", "dv"),
-                            blocks_of=_numpy_blocks)
+    from course_lib.exercises import ch04  # the watched arrays that count what is computed
+
+    exercise, cases, logs = "Exercise 7.4", backward_cases(), []
+
+    def watched(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+        log, (q_w, k_w) = ch04._watch({"q": q, "k": k})
+        logs.append(log)
+        out = fn(q_w, k_w, v, o, lse, do, causal, scale, block_m, block_n)
+        return type(out)(ch04._plain(e, touch=False) for e in out) \
+            if isinstance(out, (tuple, list)) else ch04._plain(out, touch=False)
+
+    chosen = _check_gradients(exercise, watched, _reference_backward, cases,
+                              fallback=tb.flash_attention_numpy_backward,
+                              mistakes=BACKWARD_MISTAKES, names=("dq", "dk", "dv"),
+                              blocks_of=_numpy_blocks, quiet=True)
+    if chosen is not watched:  # not done yet (quiet: say it here)
+        return checks.not_done(exercise, chosen)
+    for n, (case, log) in enumerate(zip(cases, logs), 1):
+        problem = hidden_tiles_computed(log, case)
+        if problem:
+            raise checks.failed_with(exercise, "\n".join(
+                [f"✗ {exercise}: right numbers, but hidden tiles computed on case {n} of "
+                 f"{len(cases)} — {case.label}", *problem]))
+    checks.passed(exercise, f"✓ {exercise}: passed ({len(cases)} cases; no tile the causal mask "
+                            f"hides was computed).")
+    return fn
+
+
+def hidden_tiles_computed(log, case: Case) -> list[str]:
+    """Lines saying which operation of the learner's backward multiplied rows of q with rows of
+    k that the causal mask hides from each other entirely (a (Q tile, K/V tile) pair the
+    algorithm skips), or [] when none did. ``log``: the q and k touches of one call
+    (:func:`course_lib.exercises.ch04._watch`)."""
+    from course_lib import iomodel
+    from course_lib.exercises import ch04
+
+    q, k = case.args[0], case.args[1]
+    causal, block_m, block_n = case.args[6], case.args[8], case.args[9]
+    if not causal:
+        return []
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    skip = iomodel.causal_skip_grid(n_q, n_k, block_m, block_n)  # (T_r, T_c)
+    by_op: dict = {}
+    for touch in log.touches:
+        by_op.setdefault(touch.op, []).append(touch)
+    for touches in by_op.values():
+        rows = {t.name: t for t in touches}
+        if set(rows) != {"q", "k"}:
+            continue
+        q_tiles = sorted({int(r) // block_m for r in rows["q"].rows})
+        k_tiles = sorted({int(r) // block_n for r in rows["k"].rows})
+        hidden = [(i, j) for i in q_tiles for j in k_tiles if skip[i, j]]
+        if hidden:
+            i, j = hidden[0]
+            return [f"  {ch04._line_text(rows['q'].where)} multiplies rows "
+                    f"{rows['q'].rows[0]}–{rows['q'].rows[-1]} of q with keys "
+                    f"{rows['k'].rows[0]}–{rows['k'].rows[-1]} of k: that includes Q tile {i} × "
+                    f"K/V tile {j}, which the causal mask hides entirely (its first key "
+                    f"{j * block_n} comes after the Q tile's last query "
+                    f"{min((i + 1) * block_m, n_q) - 1})",
+                    "  its gradients are 0, so the numbers come out right, but the work is the "
+                    "dense backward's: skip a pair before computing it, when q_end − 1 < k_start"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------

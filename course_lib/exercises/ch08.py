@@ -575,7 +575,8 @@ def check_split_kv_kernel(kernel):
     return kernel_checks.check_kernel("Exercise 8.4", kernel, run, reference,
                                       _split_kernel_cases(runtime.current().device),
                                       fallback=kernels_decoding.split_kv_kernel,
-                                      mistakes=SPLIT_KERNEL_MISTAKES, locate=locate)
+                                      mistakes=SPLIT_KERNEL_MISTAKES, locate=locate,
+                                      output_names=("o", "m", "l"))
 
 
 SPLIT_KERNEL_HINTS = [
@@ -859,7 +860,7 @@ def check_combine_kernel(kernel):
     return kernel_checks.check_kernel("Exercise 8.5", kernel, run, combine_reference,
                                       _combine_kernel_cases(runtime.current().device),
                                       fallback=kernels_decoding.combine_kernel,
-                                      mistakes=COMBINE_KERNEL_MISTAKES)
+                                      mistakes=COMBINE_KERNEL_MISTAKES, output_names=("out", "lse"))
 
 
 COMBINE_KERNEL_HINTS = [

@@ -99,6 +99,11 @@ def _rotated(rotate, q, k, seed):
     return q_rot.detach().double().cpu(), k_rot.detach().double().cpu()
 
 
+# The parts of the "scores" probe, as messages name them.
+PROBE_SCORE_NAMES = ("the scores q_rot k_rotᵀ / √d", "the row norms of q_rot",
+                     "the row norms of k_rot")
+
+
 def rotation_probe(rotate, q, k, seed, probe):
     """What every right ``rotate_qk`` gives on these inputs, whatever its random signs.
 
@@ -299,7 +304,8 @@ def check_rotate_qk(fn):
     mistakes = {cause: _probe_of(wrong) for cause, wrong in ROTATE_MISTAKES.items()}
     result = check_function("Exercise 9.1", probed, reference=_probe_of(rotate_qk_reference),
                             cases=_rotation_cases(), fallback=rotate_qk_reference,
-                            tolerance=ROTATION_TOLERANCE, mistakes=mistakes)
+                            tolerance=ROTATION_TOLERANCE, mistakes=mistakes,
+                            output_names=PROBE_SCORE_NAMES)
     return fn if result is probed else result
 
 
@@ -491,7 +497,8 @@ def check_quantize_e4m3(fn):
     :func:`course_lib.fp8.quantize_e4m3`); return the function to continue with."""
     return check_function("Exercise 9.2", fn, reference=quantize_reference,
                           cases=_quantize_cases(), fallback=fp8.quantize_e4m3,
-                          tolerance=QUANTIZE_TOLERANCE, mistakes=QUANTIZE_MISTAKES)
+                          tolerance=QUANTIZE_TOLERANCE, mistakes=QUANTIZE_MISTAKES,
+                          output_names=("x_fp8", "scale"))
 
 
 QUANTIZE_HINTS = [

@@ -235,7 +235,8 @@ def check_tile_lists(fn):
 
     result = check_function("Exercise 10.1", canonical, reference, _tile_list_cases(),
                             fallback=tile_lists_reference, mistakes=TILE_LIST_MISTAKES,
-                            tolerance=(0.0, 0.0))
+                            tolerance=(0.0, 0.0),
+                            output_names=("kv_num_blocks", "kv_indices", "kv_partial"))
     return fn if result is canonical else result
 
 
@@ -287,7 +288,7 @@ class IntLayoutRun(LayoutRun):
                 if violation is None:
                     raise
                 hint = self.guard_hint and self.guard_hint(
-                    kernel_checks.guard_evidence(str(violation)), params)
+                    kernel_checks.guard_evidence(str(violation)), {**params, "inputs": inputs})
                 raise kernel_checks.MemoryViolation(
                     str(violation) + (f"\n  {hint}" if hint else "")) from None
         if inputs[0].device.type == "cuda":
@@ -450,13 +451,47 @@ def _varlen_guard_hint(e: dict | None, params: dict) -> str | None:
         return ("hint: cu_seqlens has B + 1 entries; sample b's rows are cu_seqlens[b] up to "
                 "cu_seqlens[b + 1] (excluded): load exactly those two")
     if e["tensor"] in ("q", "k", "v", "o") and e["index"] and e["index"][0] >= e["shape"][0]:
-        return (f"hint: a row past the end of the packed batch ({e['shape'][0]} rows): a sample's "
-                f"rows are start … start + seq_len − 1 with seq_len = cu_seqlens[b + 1] − "
-                f"cu_seqlens[b] (its length, not its end)")
+        return _varlen_row_hint(e, params)
     if e["tensor"] in ("k", "v") and len(e["index"]) > 1 and e["index"][1] >= e["shape"][1]:
         return (f"hint: K/V head {e['index'][1]} does not exist (H_kv = {e['shape'][1]}): query "
                 f"head h reads K/V head h // (n_heads // n_kv_heads)")
     return None
+
+
+def _varlen_row_hint(e: dict, params: dict) -> str:
+    """What a row past the end of the packed batch says, from the program that read it: which
+    of two slips its row fits — the sample's end used as its length (rows start + offs_m with
+    offs_m < cu_seqlens[b + 1]), or a base offset that already includes the tile's rows (rows
+    start + start_m + offs_m) — or, when neither or both fit, only the rows involved."""
+    total, row = e["shape"][0], e["index"][0]
+    head = (f"hint: row {row} is past the end of the packed batch ({total} rows)")
+    inputs, program = params.get("inputs") or (), e.get("program") or ()
+    if len(inputs) < 4 or len(program) < 3:
+        return head
+    tile, b = program[0], program[2]
+    cu = [int(c) for c in inputs[3].cpu()]
+    if b + 1 >= len(cu):
+        return head
+    start, end = cu[b], cu[b + 1]
+    seq_len, start_m = end - start, tile * CHECK_BLOCK
+    where = (f"; program (tile={tile}, h={program[1]}, b={b}) owns rows {start + start_m}… of "
+             f"sample {b}, whose rows are {start}…{end - 1} (cu_seqlens[{b}] = {start}, "
+             f"cu_seqlens[{b + 1}] = {end})")
+    fits = []
+    offset = row - start  # the offs_m (or key) the row was read at, with a right base
+    in_tile = start_m <= offset < start_m + CHECK_BLOCK if e["tensor"] in ("q", "o") else True
+    if in_tile and seq_len <= offset < end:
+        fits.append(f"seq_len is the sample's end, not its length: seq_len = cu_seqlens[b + 1] − "
+                    f"cu_seqlens[b] = {seq_len}, while a bound of {end} lets its rows run to "
+                    f"{start + end - 1}")
+    if e["tensor"] in ("q", "o"):
+        doubled = row - start - start_m  # the offs_m, if the base already holds start_m rows
+        if start_m and start_m <= doubled < min(start_m + CHECK_BLOCK, seq_len):
+            fits.append(f"the base offset already includes the tile's rows (start + start_m) and "
+                        f"offs_m = start_m + arange adds them again: add start_m once")
+    if len(fits) == 1:
+        return head + where + ". It fits one slip: " + fits[0]
+    return head + where
 
 
 def _varlen_row_of(index, cu_seqlens=None, **_) -> str:
@@ -766,6 +801,12 @@ LIST_GAPS = Layout((0, 1), (1, 3))
 LIST_GAPS_2 = Layout((0, 1), (2, 1))
 MASK_COLUMN_MAJOR = Layout((1, 0), (2, 0))
 NUM_LAYOUT = Layout((0,), (2,))
+# The outputs have strides of their own too (the contract's stride_oh, stride_on, stride_lh,
+# stride_ln): lse a slice of a wider buffer, or with its heads innermost; o with gaps.
+LSE_WIDER = Layout((0, 1), (0, 7))
+LSE_HEADS_INNER = Layout((1, 0), (1, 0))
+OUTPUT_LAYOUTS = ((ROWS_WITH_GAPS, LSE_WIDER), (HEADS_INTERLEAVED, LSE_HEADS_INNER),
+                  (SPARE_HEAD, LSE_WIDER), (ROWS_WITH_GAPS, LSE_HEADS_INNER))
 
 
 def _block_sparse_cases(device) -> list[Case]:
@@ -797,7 +838,8 @@ def _block_sparse_cases(device) -> list[Case]:
          2, 16, 1, None, (16, 16), 1.0, (HEADS_INTERLEAVED, SPARE_HEAD, ROWS_WITH_GAPS)),
     ]
     cases = []
-    for what, mask, heads, d, i, scale, (bm, bn), factor, layouts in specs:
+    for (what, mask, heads, d, i, scale, (bm, bn), factor, layouts), outputs in zip(
+            specs, OUTPUT_LAYOUTS):
         dtype = _case_dtypes()[i]
         n_q, n_k = mask.shape
         q = torch.randn(heads, n_q, d, generator=gen) * factor
@@ -812,9 +854,30 @@ def _block_sparse_cases(device) -> list[Case]:
         cases.append(LayoutCase(
             tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)) + lists,
             {"scale": scale, "block_m": bm, "block_n": bn,
-             "layouts": (*layouts, NUM_LAYOUT, LIST_GAPS, LIST_GAPS_2, MASK_COLUMN_MAJOR)},
-            label=label))
+             "layouts": (*layouts, NUM_LAYOUT, LIST_GAPS, LIST_GAPS_2, MASK_COLUMN_MAJOR,
+                         *outputs)},
+            label=label, features=_tile_features(mask, bm, bn)))
     return cases
+
+
+def _tile_features(mask: np.ndarray, block_m: int, block_n: int) -> dict:
+    """What a block-sparse case's tile lists hold, for the differential diagnosis."""
+    classes = masks.classify_tiles(mask, block_m, block_n)
+    num, indices, _ = tile_lists_reference(mask, block_m, block_n)
+    n_q, n_k = mask.shape
+    empty_first = False  # a row that sees nothing in the first tile its Q tile visits
+    for i, n in enumerate(num):
+        if n:
+            j = indices[i, 0]
+            rows = mask[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+            empty_first |= bool((~rows.any(axis=1)).any())
+    last = num_blocks(n_k, block_n) - 1
+    return {"partial tiles": bool((classes == masks.PARTIAL).any()),
+            "skipped tiles": bool((classes == masks.SKIP).any()),
+            "a visited ragged last K/V tile": bool(n_k % block_n and (classes[:, last] != masks.SKIP).any()),
+            "rows that see no key in their Q tile's first visited tile": empty_first,
+            "Q tiles whose list is not 0, 1, 2, …": any(
+                (indices[i, :n] != np.arange(n)).any() for i, n in enumerate(num))}
 
 
 @learner_check

@@ -65,6 +65,11 @@ def _merge_running_not_rescaled(o, lse, o_blk, lse_blk):
     return o + torch.exp(lse_blk - new)[..., None] * o_blk, new
 
 
+def _merge_block_not_rescaled(o, lse, o_blk, lse_blk):
+    new = _merged_lse(lse, lse_blk)
+    return torch.exp(lse - new)[..., None] * o + o_blk, new
+
+
 def _merge_weights_swapped(o, lse, o_blk, lse_blk):
     new = _merged_lse(lse, lse_blk)
     w, w_blk = torch.exp(lse - new), torch.exp(lse_blk - new)
@@ -87,6 +92,8 @@ MERGE_MISTAKES = {
         _merge_not_normalised,
     "the running output is not rescaled: it too must be multiplied by its share, "
     "exp(lse − lse_new)": _merge_running_not_rescaled,
+    "the block's output is not weighted: it too must be multiplied by its share, "
+    "exp(lse_blk − lse_new)": _merge_block_not_rescaled,
     "the weights are swapped: the running o gets exp(lse − lse_new) and the block's o gets "
     "exp(lse_blk − lse_new)": _merge_weights_swapped,
 }
@@ -119,7 +126,25 @@ def _merge_cases() -> list[Case]:
              label="an empty running state in rows 0-1 (lse = -inf, o = 0): the first step"),
         Case((*_partial(gen, (2, 9, 16), 60.0, 1.0, f32), *_partial(gen, (2, 9, 16), 95.0, 1.0, f32)),
              label="float32, lse near 60 and 95"),
+        Case(_far_apart_rows(gen), label="float32, rows whose lse are far apart in one call "
+                                         f"(about {FAR_APART_LSE[0]:g} and {FAR_APART_LSE[1]:g})"),
     ]
+
+
+# Log-sum-exps of different rows in one call: a max taken over the whole tensor instead of per
+# row leaves the low rows weights of exp(0.5 − 120) ≈ 1e-52, which is 0 in float32 (0 / 0).
+FAR_APART_LSE = (0.5, 120.0)
+
+
+def _far_apart_rows(gen) -> tuple:
+    """(o, lse, o_blk, lse_blk) float32 whose rows alternate between lse near
+    FAR_APART_LSE[0] and near FAR_APART_LSE[1], the block's close to the running state's."""
+    low, high = FAR_APART_LSE
+    o, lse = _partial(gen, (3, 6, 8), 0.0, 1.0, torch.float64)
+    o_blk, lse_blk = _partial(gen, (3, 6, 8), 0.0, 1.0, torch.float64)
+    rows = torch.tensor([low, high] * 3, dtype=torch.float64)  # (6,) one offset per row
+    return (o.float(), (lse - lse.mean() + rows).float(), o_blk.float(),
+            (lse_blk - lse_blk.mean() + rows + 0.7).float())
 
 
 @learner_check
@@ -127,7 +152,8 @@ def check_merge_partials(fn):
     """Check exercise 11.1, ``merge_partials(o, lse, o_blk, lse_blk) -> (o, lse)``; return the
     function to continue with."""
     return check_function("Exercise 11.1", fn, reference=ring.merge_partials,
-                          cases=_merge_cases(), mistakes=MERGE_MISTAKES)
+                          cases=_merge_cases(), mistakes=MERGE_MISTAKES,
+                          output_names=("o", "lse"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,8 +161,10 @@ def check_merge_partials(fn):
 # ----------------------------------------------------------------------------------------------
 
 def _empty_state(q_shards):
+    """Each rank's running ``(o, lse)`` before its first block, on its queries' device (on a GPU
+    the blocks come from the GPU kernel, and the merge needs both states on one device)."""
     o = [torch.zeros_like(q) for q in q_shards]
-    lse = [torch.full(q.shape[:-1], -math.inf, dtype=q.dtype) for q in q_shards]
+    lse = [torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device) for q in q_shards]
     return o, lse
 
 
@@ -241,7 +269,8 @@ def check_ring_loop(fn):
     # the outputs are lists of tensors, one per rank (checks' default tolerance reads one
     # tensor's dtype): float32's tolerance for all, far below the O(1) errors of a wrong loop
     return check_function("Exercise 11.2", fn, reference=ring_reference, cases=_loop_cases(),
-                          mistakes=LOOP_MISTAKES, tolerance=TOLERANCES["float32"])
+                          mistakes=LOOP_MISTAKES, tolerance=TOLERANCES["float32"],
+                          output_names=("o_shards", "lse_shards"))
 
 
 LOOP_HINTS = [
