@@ -310,12 +310,11 @@ class MemoryGuard:
         nearest = sorted((r for r in self.regions if r.base <= address), key=lambda r: -r.base)
         # 2a. the rows of one tile running past the last row of their own (batch, head) slice
         # (an unmasked row load or store): its lanes land in the next slice or past the end
-        rows = self._rows_past(nearest[0], bad, lanes, write) if nearest else None
-        if rows:
-            return rows
+        # (kept as the "past the end" reading: step 3 still asks whether another tensor's strides
+        # explain the same offsets, and then says both)
+        past = self._rows_past(nearest[0], bad, lanes, write) if nearest else None
         # 2. just past the end of the nearest tensor along some dims (within one more extent)
-        past = None
-        for r in nearest[:1]:
+        for r in nearest[:1] if past is None else ():
             index, _ = r.index_of(bad)
             aligned = (bad.astype(np.int64) - r.base) % r.itemsize == 0
             if aligned.all() and all((i < 2 * n).all() for i, n in zip(index, r.shape)):
