@@ -39,10 +39,13 @@ class Loaded:
     registers: int | None = None  # per thread
     spill_bytes: int | None = None  # local memory per thread (register spills)
     compile_s: float = 0.0
+    # why the driver refused to load it although Triton's shared-memory count fits (another
+    # resource ran out); None when it loaded
+    refused: str | None = None
 
     @property
     def fits(self) -> bool:
-        return self.shared <= self.limit
+        return self.shared <= self.limit and self.refused is None
 
 
 @dataclass
@@ -83,8 +86,8 @@ def _load(kernel, blocks: tuning.Blocks, args: tuple, meta: dict, block_args) ->
     limit = _shared_limit(driver.active.get_current_device())
     try:
         compiled._init_handles()  # Triton's own check of the shared-memory limit, then the load
-    except OutOfResources:
-        return Loaded(blocks, compiled.metadata.shared, limit, compile_s=seconds)
+    except OutOfResources as exc:
+        return Loaded(blocks, compiled.metadata.shared, limit, compile_s=seconds, refused=str(exc))
     # the driver reports local memory per thread in 4-byte words (triton's n_spills)
     return Loaded(blocks, compiled.metadata.shared, limit, compiled.n_regs, 4 * compiled.n_spills,
                   seconds)
@@ -131,10 +134,12 @@ def choose(kernel, candidates, args: tuple, meta: dict, block_args=_tile_args) -
     loadable = [t for t in tried if t.fits]
     if not loadable:
         smallest = min(tried, key=lambda t: t.shared)
+        refused = next((t.refused for t in tried if t.refused), None)
         raise NoConfigFits(
             f"{kernel.fn.__name__}: no launch config fits this GPU's shared memory: the smallest "
             f"candidate ({smallest.blocks}) needs {smallest.shared / 1024:.1f} KiB, the GPU allows "
-            f"{smallest.limit / 1024:.1f} KiB per block")
+            f"{smallest.limit / 1024:.1f} KiB per block"
+            + (f" (the driver also refused a candidate: {refused})" if refused else ""))
     chosen = min(loadable, key=lambda t: t.spill_bytes)  # every candidate spills: the least
     CHOICES[key] = Choice(kernel.fn.__name__, dict(meta), chosen, tried)
     return chosen.blocks
