@@ -858,8 +858,9 @@ def _zero_rows(o: Outcome, label: str, x: np.ndarray, tol: float, strict: bool =
 
 def _averaged_rows(o: Outcome, label: str, x: np.ndarray, tol: float, strict: bool = False):
     """The part lies within the per-column range of the rows it averages: `v`'s (attention), or
-    the union of the inputs named o… (merged partial outputs)."""
-    if x.ndim < 1:
+    the union of the inputs named o… (merged partial outputs). Never a gradient (dq, dk, dv, …):
+    a gradient is no weighted average, whatever the right answer happens to do on a case."""
+    if x.ndim < 1 or re.match(r"d[a-z]", label.strip("` ")):
         return None
     sources = [name for name, val in o.inputs.items() if _is_array(val) and val.ndim >= 2
                and val.shape[-1] == x.shape[-1] and (name == "v" or name.startswith("o"))]
