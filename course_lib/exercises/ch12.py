@@ -10,10 +10,12 @@
   them (views of ``(B, N, H, d)``).
 * 12.2 chapter 06's teaching kernel as a ``torch.library`` custom op with a fake implementation:
   the learner writes ``make_attention_op()`` that defines the op and returns it. The check compares
-  the op's ``(o, lse)`` with float64 attention, then runs ``torch.library.opcheck`` (schema, fake
-  tensors, autograd registration, AOT dispatch) and ``torch.compile(fullgraph=True)``, and turns
-  what they find into one diagnosis: no fake, a fake of the wrong shape, dtype or strides, a fake
-  that returns an input or runs the kernel, an input changed but not declared in ``mutates_args``.
+  the op's ``(o, lse)`` with float64 attention (float32 and float16 cases in the interpreter,
+  float16 and bfloat16 on a GPU, where float32 products run in TF32), then runs
+  ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch) and
+  ``torch.compile(fullgraph=True)``, and turns what they find into one diagnosis: no fake, a fake
+  of the wrong shape, dtype or strides, a fake that returns an input or runs the kernel, an input
+  changed but not declared in ``mutates_args``.
 
 The mistake models of 12.1 are SDPA with one slip switched on (:func:`_adapter_model`); 12.2's
 diagnoses come from what ``opcheck`` reports (:data:`OPCHECK_CAUSES`), plus two models of the
@@ -33,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import checks, runtime
-from course_lib.checks import Case, ExerciseFailed, check_function, learner_check
+from course_lib.checks import (Case, ExerciseFailed, _default_tolerance, check_function,
+                               learner_check)
 from course_lib.reference import default_scale, naive_attention_torch
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before any kernel is defined
@@ -288,24 +291,44 @@ def attention_op_reference(q, k, v, causal: bool, scale: float):
     return o.to(q.dtype), lse.float()
 
 
+def _op_dtypes() -> tuple[torch.dtype, torch.dtype]:
+    """``(exact, fast)``: the dtypes of exercise 12.2's cases in this mode. float32 is exact only
+    in the interpreter: on a GPU chapter 06's kernel multiplies P·V in TF32 (``tl.dot``'s default
+    for float32), ~1e-3 off, so there the cases are float16 and bfloat16 (bfloat16 is computed
+    wrongly by the interpreter), each compared with its own tolerance (``checks.TOLERANCES``)."""
+    return (torch.float32, torch.float16) if _rt.interpreted else (torch.float16, torch.bfloat16)
+
+
+def fp32_op_tolerance() -> tuple[float, float]:
+    """``(atol, rtol)`` to compare chapter 06's kernel on float32 inputs with float32 attention
+    in this mode: float32's in the interpreter (exact dot products); on a GPU float16's, since
+    its P·V product runs in TF32, which keeps 10 mantissa bits, as float16 does."""
+    return checks.TOLERANCES["float32" if _rt.interpreted else "float16"]
+
+
 def _op_cases() -> list[Case]:
     gen = torch.Generator().manual_seed(12_2)
+    exact, fast = _op_dtypes()
 
-    def make(shape, dtype=torch.float32, transposed=False):
+    def make(shape, dtype, transposed=False):
         if transposed:  # a view of (B, N, H, d), as transformers' projections make q
             b, h, n, d = shape
             return torch.randn(b, n, h, d, generator=gen).to(_rt.device, dtype).transpose(1, 2)
         return torch.randn(*shape, generator=gen).to(_rt.device, dtype)
 
+    def name(dtype):
+        return str(dtype).removeprefix("torch.")
+
     return [
-        Case((make((1, 2, 40, 16)), make((1, 2, 40, 16)), make((1, 2, 40, 16)), True, 0.25),
-             label="causal, (B, H, N, d) = (1, 2, 40, 16), float32"),
-        Case((make((2, 2, 19, 32), transposed=True), make((2, 2, 33, 32)),
-              make((2, 2, 33, 32)), False, default_scale(32)),
-             label="N_q = 19 ≠ N_k = 33, q a transposed view, float32"),
-        Case((make((1, 2, 24, 16), torch.float16), make((1, 2, 24, 16), torch.float16),
-              make((1, 2, 24, 16), torch.float16), True, 0.25),
-             label="causal, float16 (lse stays float32)"),
+        Case((make((1, 2, 40, 16), exact), make((1, 2, 40, 16), exact),
+              make((1, 2, 40, 16), exact), True, 0.25),
+             label=f"causal, (B, H, N, d) = (1, 2, 40, 16), {name(exact)}"),
+        Case((make((2, 2, 19, 32), exact, transposed=True), make((2, 2, 33, 32), exact),
+              make((2, 2, 33, 32), exact), False, default_scale(32)),
+             label=f"N_q = 19 ≠ N_k = 33, q a transposed view, {name(exact)}"),
+        Case((make((1, 2, 24, 16), fast), make((1, 2, 24, 16), fast),
+              make((1, 2, 24, 16), fast), True, 0.25),
+             label=f"causal, {name(fast)} (lse stays float32)"),
     ]
 
 
@@ -470,7 +493,7 @@ def check_custom_op(make_op):
 
     In order: the op's ``(o, lse)`` match float64 attention on every case (the factory runs
     anew for each, as re-running the cell would); what the factory returns is a custom op;
-    ``opcheck`` passes on two cases (a transposed q with N_q ≠ N_k in float32; float16);
+    ``opcheck`` passes on two cases (a transposed q with N_q ≠ N_k; the fast dtype);
     ``torch.compile(fullgraph=True)`` of a block around the op makes one graph, with no graph
     break, and the same numbers as eager."""
     exercise = "Exercise 12.2"
@@ -499,7 +522,7 @@ def check_custom_op(make_op):
                       f"fullgraph=True): decorate it with "
                       f"`@torch.library.custom_op(\"ch12::attention\", mutates_args=())` and return "
                       f"what the decorator made")
-    for n in (2, 3):  # a transposed q with N_q != N_k; float16
+    for n in (2, 3):  # a transposed q with N_q != N_k; the fast dtype (float16 or bfloat16)
         case = cases[n - 1]
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
         try:
@@ -525,7 +548,7 @@ def check_custom_op(make_op):
         raise _failed(f"✗ {exercise}: torch.compile splits a block around your op into {graphs} "
                       f"graphs ({breaks} graph breaks: {'; '.join(reasons[:2])})")
     eager = block(q, k, v)
-    atol, rtol = checks.TOLERANCES["float32"]
+    atol, rtol = _default_tolerance(eager)  # the first case's dtype: float32, or float16 on a GPU
     if not torch.allclose(compiled, eager, atol=atol, rtol=rtol):
         raise _failed(f"✗ {exercise}: the compiled block differs from eager by "
                       f"{(compiled - eager).abs().max().item():.3g}")
