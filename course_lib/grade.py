@@ -844,6 +844,7 @@ def grade(submissions: Path, out: Path, solutions: Path, timeout: int = 300, job
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # "--check" must not silently mean --checks-package
         prog="python -m course_lib.grade",
         description="Execute learner notebooks and grade every exercise (see the module docstring).")
     parser.add_argument("submissions", type=Path,
