@@ -199,6 +199,54 @@ def test_backward_plan_per_gradient_layout(device):
         assert torch.allclose(got.double(), want.grad, atol=ATOL[got.dtype])
 
 
+def test_one_signature_per_call(device, monkeypatch):
+    """A call of a known signature works out its signature once: the forward runs the plan its
+    validation found, and the backward the plan its forward kept on the autograd context."""
+    q, k, v = (x.requires_grad_() for x in _qkv((1, 2, 24, 16), device))
+    flash_attention(q, k, v, causal=True).sum().backward()  # makes the plan and its launches
+    counted = []
+    real = plans.signature
+    monkeypatch.setattr(plans, "signature", lambda *a: counted.append(1) or real(*a))
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+    assert len(counted) == 1
+    counted.clear()
+    o = flash_attention(q, k, v, causal=True)
+    o.sum().backward()
+    assert len(counted) == 1
+    assert o.grad_fn.plan is _plan_of(q, k, v, True)  # the autograd context keeps the forward's plan
+
+
+def test_backward_buffers_share_allocations_where_aligned():
+    """On a GPU (and here when asked): dQ's accumulator and Δ share one zeroed buffer (Δ 512-byte
+    aligned); dq, dk, dv share one where each slice keeps 16-byte alignment, and are separate
+    tensors otherwise. CPU tensors keep separate allocations by default."""
+    from course_lib.kernels.backward import Buffers
+
+    assert not Buffers((1, 2, 40, 32), (1, 2, 40, 32), torch.float16, torch.float32, "cpu", True).combine
+    buffers = Buffers((1, 2, 40, 32), (1, 2, 40, 32), torch.float16, torch.float32, "cpu", one_pass=True,
+                      combine=True)  # as on a GPU
+    dq_acc, delta = buffers.scratch()
+    assert dq_acc.shape == (1, 2, 40, 32) and delta.shape == (1, 2, 40) and delta.is_contiguous()
+    assert dq_acc.untyped_storage().data_ptr() == delta.untyped_storage().data_ptr()
+    assert (delta.data_ptr() - dq_acc.data_ptr()) % 512 == 0 and delta.data_ptr() >= dq_acc[-1, -1, -1, -1].data_ptr()
+    assert torch.count_nonzero(dq_acc) == 0
+    dq, dk, dv = buffers.grads()
+    assert len({x.untyped_storage().data_ptr() for x in (dq, dk, dv)}) == 1
+    assert all(x.is_contiguous() and x.data_ptr() % plans.ALIGN_BYTES == 0 for x in (dq, dk, dv))
+    dq_acc.fill_(1.0 / 3)
+    assert torch.equal(buffers.dq_from(dq, dq_acc), dq_acc.to(torch.float16))
+    odd = Buffers((1, 1, 3, 17), (1, 1, 5, 17), torch.float16, torch.float32, "cpu", one_pass=False, combine=True)
+    assert odd.scratch()[0] is None
+    dq, dk, dv = odd.grads()  # 5 * 17 * 2 bytes: a second slice would be misaligned
+    assert len({x.untyped_storage().data_ptr() for x in (dq, dk, dv)}) == 3
+    assert dq.shape == (1, 1, 3, 17) and dk.shape == dv.shape == (1, 1, 5, 17)
+    fp32 = Buffers((1, 1, 8, 16), (1, 1, 8, 16), torch.float32, torch.float32, "cpu", one_pass=True, combine=True)
+    dq_acc, _ = fp32.scratch()
+    dq, dk, dv = fp32.grads()
+    assert dq is None and fp32.dq_from(dq, dq_acc) is dq_acc  # fp32 work: dQ's sums are dq
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_results_unchanged_with_plans(device, seed):
     """Fresh random irregular shapes (ragged N_q != N_k, head dims that are not powers of two,
@@ -228,14 +276,25 @@ def test_gpu_plans_launch_by_handle_and_match_the_first_call():
     """On the GPU: after a call, every launch of a plan (forward, Δ, backward) goes by handle; the
     forward by handle gives the first call's o bit for bit, the backward the first call's gradients
     (up to the order of dQ's atomic adds), and both match the float64 reference (fp16 and bf16,
-    d = 64 and 128, causal or not: the Triton, TMA and Gluon paths the H100 takes)."""
+    d = 64 and 128, causal or not, a small problem (fewer query tiles than SMs: the Triton kernels,
+    tuning.small_problem) and a larger one (the Gluon kernels on Hopper): the paths the H100 takes)."""
+    from course_lib.kernels import backward, tuning
+
+    small, large = (2, 3, 300), (4, 16, 300)  # 18 and 192 query tiles of 128 rows
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert tuning.small_problem(6, 300, sms) and not tuning.small_problem(64, 300, sms), sms
     for dtype in (torch.float16, torch.bfloat16):
-        for d in (64, 128):
+        for d, shape in ((d, s) for d in (64, 128) for s in (small, large)):
             for causal in (False, True):
-                q, k, v = _qkv((2, 3, 300, d), "cuda", dtype=dtype)
+                q, k, v = _qkv(shape + (d,), "cuda", dtype=dtype)
                 do = torch.randn_like(q)
                 runs = _runs(q, k, v, do, causal, times=3)
-                made = _plan_of(q, k, v, causal).launches()
+                plan = _plan_of(q, k, v, causal)
+                if shape == small:  # chapter 06's forward, chapter 07's two-kernel backward
+                    assert type(plan.forward_launch) is forward.ForwardLaunch
+                    assert [type(x) for x in plan.backward_launches.values()] == [backward.BackwardLaunch]
+                    assert not next(iter(plan.backward_launches.values())).one_pass
+                made = plan.launches()
                 assert len(made) >= 3 and all(x.by_handle for x in made), (dtype, d, causal)
                 assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][0], runs[2][0])
                 tol = 2e-2 if dtype == torch.float16 else 6e-2

@@ -103,6 +103,33 @@ def test_one_pass_backward_is_the_default_only_where_it_paid():
     assert tuning.gpu_candidates("fused", 128, 2)[0] == tuning.Blocks(64, 128, 8, 3)
 
 
+def test_small_problems_take_the_triton_kernels_and_every_grid_cell_keeps_gluon():
+    """Fewer query tiles than SMs is small (the Triton kernels, the two-kernel backward); every cell
+    of the recorded H100 grid (bench.problem_shape over N = 1k-16k, d = 64 and 128) is not."""
+    from course_lib import bench
+    from course_lib.kernels import tuning
+
+    h100_sms = 132
+    assert tuning.small_problem(4, 128, h100_sms)  # the overhead bench's B=1, H=4, N=128: 4 tiles
+    assert tuning.small_problem(4, 512, h100_sms)  # 16 tiles
+    assert tuning.small_problem(131, 128, h100_sms) and not tuning.small_problem(132, 128, h100_sms)
+    assert tuning.small_problem(1, 129, 3) and not tuning.small_problem(1, 257, 3)  # tiles round up
+    for n in (1024, 4096, 16384):
+        for d in (64, 128):
+            batch, heads = bench.problem_shape(n, d)
+            assert not tuning.small_problem(batch * heads, n, h100_sms), (n, d)
+    assert tuning.one_pass_pays(4096, 64, False) and not tuning.one_pass_pays(4096, 64, False, True)
+
+
+def test_small_problem_rule_is_off_the_gpu():
+    """CPU tensors (the interpreter, the sm_90 stand-in) are never a small GPU problem."""
+    import torch
+
+    from course_lib.kernels import tuning
+
+    assert not tuning.small_problem_on_gpu(torch.zeros(1, 1, 16, 16))
+
+
 def test_parse_blocks_reads_the_tools_config_form():
     from course_lib.kernels import tuning
 

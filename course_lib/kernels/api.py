@@ -71,12 +71,18 @@ def _dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def validate_inputs(q, k, v, causal, scale) -> None:
-    """Raise TypeError/ValueError naming the bad argument; return None when the call is valid.
+def validate_inputs(q, k, v, causal, scale):
+    """Raise TypeError/ValueError naming the bad argument; return the call's launch plan when the
+    call is valid.
 
     The checks read only the call's signature (shapes, strides, dtypes, devices, ``causal``; see
     :func:`course_lib.kernels.plan.signature`), so a signature that passed once is only looked up
     again, and only ``scale`` is checked (not under torch.compile, which traces the checks).
+
+    Returns:
+        The :class:`~course_lib.kernels.plan.Plan` of the call's signature, for the caller to run
+        the call with (:func:`_forward`: one signature and one lookup per call); None under
+        torch.compile or for tensors without strides.
     """
     key = None
     if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
@@ -88,10 +94,13 @@ def validate_inputs(q, k, v, causal, scale) -> None:
         plan = plans.cached_by_key(key) if key is not None else None
         if plan is not None and plan.validated:
             validate_scale(scale)
-            return
+            return plan
     _validate_inputs(q, k, v, causal, scale)
-    if key is not None:
-        plans.plan_for(q, k, v, causal, key).validated = True
+    if key is None:
+        return None
+    plan = plans.plan_for(q, k, v, causal, key)
+    plan.validated = True
+    return plan
 
 
 def _validate_inputs(q, k, v, causal, scale) -> None:
@@ -161,13 +170,14 @@ def validate_offsets(**tensors) -> None:
                              f"(at most {MAX_ELEMENT_OFFSET + 1})")
 
 
-def _forward(q, k, v, causal: bool, scale: float):
+def _forward(q, k, v, causal: bool, scale: float, plan=None):
     """``(o, lse)`` shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``.
 
     The kernel (chapter 09's Gluon or TMA forward on Hopper, chapter 06's elsewhere) and its launch
-    are chosen once per call signature (:mod:`course_lib.kernels.plan`).
+    are chosen once per call signature (:mod:`course_lib.kernels.plan`); ``plan``: the one
+    :func:`validate_inputs` returned for these inputs (None: looked up here).
     """
-    return plans.plan_for(q, k, v, causal).forward(q, k, v, causal, scale)
+    return (plan or plans.plan_for(q, k, v, causal)).forward(q, k, v, causal, scale)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -177,19 +187,25 @@ class FlashAttentionFunction(torch.autograd.Function):
     it: ``o`` ``(..., N_q, d)`` and the natural-log ``lse`` ``(..., N_q)`` (``(B, N_q)`` for
     ``(B, N, d)`` inputs), so harnesses that look for the log-sum-exp among
     ``ctx.saved_tensors`` find it.
+
+    ``plan`` (optional): the launch plan :func:`validate_inputs` returned for these inputs; it is
+    kept on ``ctx``, so the backward looks nothing up (it runs under the kernel switches its forward
+    saw).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, deterministic: bool = False):
-        o, lse = _forward(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal: bool, scale: float, deterministic: bool = False, plan=None):
+        plan = plan or plans.plan_for(q, k, v, causal)
+        o, lse = plan.forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+        ctx.causal, ctx.scale, ctx.deterministic, ctx.plan = causal, scale, deterministic, plan
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.deterministic), None, None, None)
+        grads = _backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.deterministic, getattr(ctx, "plan", None))
+        return (*grads, None, None, None, None)
 
 
 # One implementation, two ways in. Eager calls go through the autograd Functions of this module,
@@ -210,11 +226,12 @@ def _forward_op(q, k, v, causal: bool, scale: float, deterministic: bool):
 
 
 @ops.implementation("attention_backward")
-def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool):
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool, plan=None):
     """``(dq, dk, dv)`` shaped like q, k, v: the dense backward kernels (chapter 09's Gluon one-pass
     backward on Hopper unless ``deterministic``, chapter 07's elsewhere), chosen once per call
-    signature and upstream-gradient layout (:mod:`course_lib.kernels.plan`)."""
-    return plans.plan_for(q, k, v, causal).backward(do, q, k, v, o, lse, causal, scale, deterministic)
+    signature and upstream-gradient layout (:mod:`course_lib.kernels.plan`); ``plan``: the forward's
+    (None: looked up here)."""
+    return (plan or plans.plan_for(q, k, v, causal)).backward(do, q, k, v, o, lse, causal, scale, deterministic)
 
 
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
@@ -247,11 +264,11 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
                                                                  block_mask), deterministic)[0]
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
         return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic).reshape(q.shape)
-    validate_inputs(q, k, v, causal, scale)
+    plan = validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    if torch.compiler.is_compiling():
+    if plan is None and torch.compiler.is_compiling():
         return ops.attention_forward(q, k, v, causal, scale, deterministic)[0]
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, plan)
 
 
 def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
@@ -268,12 +285,12 @@ def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None 
                 return ops.masked_attention_forward(*_masked_op_args(q, k, v, causal, scale, window, seq_lens,
                                                                      block_mask), False)
         return _masked_forward(q, k, v, causal, scale, window, seq_lens, block_mask)
-    validate_inputs(q, k, v, causal, scale)
+    plan = validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    if torch.compiler.is_compiling():
+    if plan is None and torch.compiler.is_compiling():
         with torch.no_grad():
             return ops.attention_forward(q, k, v, causal, scale, False)
-    return _forward(q, k, v, causal, scale)
+    return _forward(q, k, v, causal, scale, plan)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -369,12 +369,99 @@ def delta_launch(shape, acc_dtype, cache: bool = False) -> CachedLaunch:
                              BLOCK_M=PREPROCESS_BLOCK_M), cache)
 
 
-def run_delta(launch: CachedLaunch, o, do, lse):
+def run_delta(launch: CachedLaunch, o, do, lse, delta=None):
     """``delta`` ``(B, H, N_q)``, laid out like ``lse``: rowsum(dO ∘ O) (the paper's D) by ``launch``
-    (:func:`delta_launch`)."""
-    delta = torch.empty_like(lse)
+    (:func:`delta_launch`), into ``delta`` when given (:meth:`Buffers.scratch`)."""
+    delta = torch.empty_like(lse) if delta is None else delta
     launch(o, do, delta, *o.stride(), *do.stride(), o.shape[1], o.shape[2])
     return delta
+
+
+def _strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class Buffers:
+    """What one backward call allocates, in as few allocations as its signature allows (issue 33:
+    on an H100 a CUDA allocation cost ~7 µs of host time per call in the profile, a view ~1 µs).
+
+    - the scratch: dQ's fp32 accumulator (one-pass backwards: zeroed) and Δ, one buffer; Δ starts
+      :data:`SCRATCH_ALIGN_BYTES` aligned, as its own allocation would, so the kernels' pointer
+      specialization (16-byte alignment) is the same as with separate buffers;
+    - the gradients dq, dk, dv in the work dtype: one ``(3, ...)`` buffer when q and k have one shape,
+      else dk and dv in one ``(2, ...)`` buffer, each a contiguous slice; only where a slice's bytes
+      are a multiple of 16 (every slice 16-byte aligned, as a fresh allocation is).
+
+    Only CUDA tensors share allocations: the caching allocator's per-call cost is what this saves.
+    On CPU tensors (the interpreter, the sm_90 stand-in) each buffer keeps its own allocation: glibc
+    serves blocks over 128 KiB with mmap, and a combined buffer crosses that sooner (measured with
+    tools/profile_overhead.py --stand-in 90 at (1, 4, 128, 64): torch.zeros of the combined scratch
+    took 1.3 ms per call in the loop, against 3 µs alone; our CPU, 2026-11-27).
+
+    Args:
+        q_shape, k_shape: ``(B, H, N_q, d)``, ``(B, H, N_k, d)``. work: the gradients' dtype.
+        acc: dQ's accumulator and Δ's dtype. one_pass: whether the call accumulates dQ (zeroed scratch).
+        combine: share allocations (None: on CUDA devices only, see above).
+    """
+
+    def __init__(self, q_shape, k_shape, work: torch.dtype, acc: torch.dtype, device, one_pass: bool,
+                 combine: bool | None = None):
+        self.q_shape, self.k_shape, self.work, self.acc, self.device = q_shape, k_shape, work, acc, device
+        self.one_pass = one_pass
+        self.combine = torch.device(device).type == "cuda" if combine is None else combine
+        self.lse_shape = q_shape[:-1]
+        n_acc = 1
+        for n in q_shape:
+            n_acc *= n
+        align = SCRATCH_ALIGN_BYTES // acc.itemsize
+        self.delta_offset = -(-n_acc // align) * align
+        self.scratch_numel = self.delta_offset + n_acc // q_shape[-1]
+        self.q_strides, self.lse_strides = _strides(q_shape), _strides(self.lse_shape)
+        # dq from dQ's accumulator as it is (fp32 work): not a slice of the gradients' buffer
+        self.dq_is_acc = one_pass and work == acc
+        slice_bytes = (n_acc // q_shape[2]) * k_shape[2] * work.itemsize
+        stackable = self.combine and slice_bytes % ALIGN_BYTES == 0
+        self.stack = 3 if stackable and q_shape == k_shape and not self.dq_is_acc else 2 if stackable else 0
+
+    def scratch(self):
+        """``(dq_acc, delta)``: dQ's accumulator ``(B, H, N_q, d)``, zeroed (None unless one-pass), and
+        Δ's buffer ``(B, H, N_q)``, laid out like the forward's lse."""
+        if not self.one_pass:
+            return None, torch.empty(self.lse_shape, dtype=self.acc, device=self.device)
+        if not self.combine:
+            return (torch.zeros(self.q_shape, dtype=self.acc, device=self.device),
+                    torch.empty(self.lse_shape, dtype=self.acc, device=self.device))
+        buf = torch.zeros(self.scratch_numel, dtype=self.acc, device=self.device)
+        return (buf.as_strided(self.q_shape, self.q_strides, 0),
+                buf.as_strided(self.lse_shape, self.lse_strides, self.delta_offset))
+
+    def grads(self):
+        """``(dq, dk, dv)`` in the work dtype, contiguous; dq is None for a one-pass call whose dq is
+        not a slice of the gradients' buffer (:meth:`dq_from` makes it)."""
+        if self.stack == 3:
+            return torch.empty((3, *self.q_shape), dtype=self.work, device=self.device).unbind(0)
+        if self.stack == 2:
+            dk, dv = torch.empty((2, *self.k_shape), dtype=self.work, device=self.device).unbind(0)
+        else:
+            dk = torch.empty(self.k_shape, dtype=self.work, device=self.device)
+            dv = torch.empty_like(dk)
+        return None if self.one_pass else torch.empty(self.q_shape, dtype=self.work, device=self.device), dk, dv
+
+    def dq_from(self, dq, dq_acc):
+        """dQ in the work dtype from the one-pass accumulator ``dq_acc``, rounded once (as ``.to``
+        rounds): into ``dq`` (:meth:`grads`' slice) when there is one."""
+        if dq is not None:
+            return dq.copy_(dq_acc)
+        return dq_acc if self.dq_is_acc else dq_acc.to(self.work)
+
+
+ALIGN_BYTES = 16  # Triton specializes pointers on 16-byte alignment; TMA needs it
+SCRATCH_ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
 
 
 def dq_mode(q: torch.Tensor, head_dim: int, interpreted: bool) -> int:
@@ -413,9 +500,10 @@ class BackwardLaunch:
         acc_dtype, precision = kernel_dtypes(self.work, head_dim)
         self.delta = delta_launch(q.shape, acc_dtype, cache)
         # the one-pass backward unless asked for reproducible bits, replaying a mistake (chapter 07's
-        # models are the two kernels), or where it does not pay on a GPU (tuning.one_pass_pays)
+        # models are the two kernels), or where it does not pay on a GPU (tuning.one_pass_pays; a
+        # small problem, tuning.small_problem: the two kernels are fewer launches)
         self.one_pass = not deterministic and mistake is None and (
-            interpreted or tuning.one_pass_pays(max(n_q, n_k), head_dim, causal))
+            interpreted or tuning.one_pass_pays(max(n_q, n_k), head_dim, causal, tuning.small_problem_on_gpu(q)))
         self.meta = dict(HEAD_DIM_REAL=d, HEAD_DIM=head_dim, ACC_DTYPE=acc_dtype, CAUSAL=bool(causal),
                          DOT_PRECISION=precision)
         if mistake is not None:
@@ -425,6 +513,7 @@ class BackwardLaunch:
             self.meta.update(DQ_MODE=dq_mode(q, d, interpreted))
         # the kernel makes its descriptor of dq_acc on the device: Triton needs an allocator for it
         self.needs_allocator = self.one_pass and self.meta["DQ_MODE"] == DQ_TMA.value
+        self.buffers = Buffers(self.q_shape, self.k_shape, self.work, self.dq_acc_dtype, self.device, self.one_pass)
         if interpreted:
             dkdv_blocks = dkdv_blocks or tuning.INTERPRETER_BACKWARD
             dq_blocks = dq_blocks or tuning.INTERPRETER_BACKWARD
@@ -443,29 +532,28 @@ class BackwardLaunch:
         tensors = (do, q, k, v, o)
         same = do.dtype == work and q.dtype == work and k.dtype == work and v.dtype == work and o.dtype == work
         dow, qw, kw, vw, ow = tensors if same else (x.to(work) for x in tensors)
-        delta = run_delta(self.delta, ow, dow, lse)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D
+        dq_acc, delta = self.buffers.scratch()  # dq_acc: zeroed (one-pass), else None
+        delta = run_delta(self.delta, ow, dow, lse, delta)  # (B, H, N_q): delta = rowsum(dO ∘ O), the paper's D
         if out is not None and all(x.dtype == work for x in out):
             dq, dk, dv = out
         else:
-            dq = None if self.one_pass else torch.empty(self.q_shape, dtype=work, device=self.device)
-            dk = torch.empty(self.k_shape, dtype=work, device=self.device)
-            dv = torch.empty_like(dk)
-        dq_acc = dk  # the two-kernel backward passes a placeholder the kernel never touches
+            dq, dk, dv = self.buffers.grads()  # one-pass: dq (a slice or None) is filled from dq_acc below
         if self.one_pass:
-            dq_acc = torch.zeros(self.q_shape, dtype=self.dq_acc_dtype, device=self.device)
             if self.needs_allocator:
                 from course_lib.kernels.hopper import ensure_descriptor_allocator
 
                 ensure_descriptor_allocator()
         common = (*qw.stride(), *kw.stride(), *vw.stride(), *dow.stride())
         scalars = (*self.sizes, scale, scale * LOG2_E_FLOAT)
-        dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), dq_acc, *scalars)
+        # the two-kernel backward passes dk as a placeholder for dq_acc (the kernel never touches it)
+        dkdv_args = (qw, kw, vw, dow, lse, delta, *common, dk, dv, *dk.stride(), dk if dq_acc is None else dq_acc,
+                     *scalars)
         dq_args = None if self.one_pass else (qw, kw, vw, dow, lse, delta, dq, *common, *dq.stride(), *scalars)
         if self.dkdv is None:
             self._make_launches(dkdv_args, dq_args)
         self.dkdv(*dkdv_args)
         if self.one_pass:  # dQ summed in fp32 by the adds, rounded to the work dtype once
-            dq = dq_acc if work == dq_acc.dtype else dq_acc.to(work)
+            dq = self.buffers.dq_from(dq if out is None else None, dq_acc)
         else:
             self.dq(*dq_args)
         if out is not None:

@@ -503,12 +503,14 @@ def _delta_launch(o, cache: bool = False):
     return None if gluon_hopper._compiling_only() else delta_launch(o.shape, triton.language.float32, cache)
 
 
-def _delta(o, do, lse, launch):
+def _delta(o, do, lse, launch, delta=None):
     """Δ = rowsum(dO ∘ O), ``(B, H, N)`` float32, by ``launch`` (:func:`_delta_launch`; zeros when
-    it is None: cross-compiling)."""
+    it is None: cross-compiling), into ``delta`` when given."""
     from course_lib.kernels.backward import run_delta
 
-    return torch.zeros_like(lse) if launch is None else run_delta(launch, o, do, lse)
+    if launch is None:
+        return torch.zeros_like(lse) if delta is None else delta.zero_()
+    return run_delta(launch, o, do, lse, delta)
 
 
 class BackwardLaunch:
@@ -534,6 +536,10 @@ class BackwardLaunch:
         self.shape, self.dtype, self.device, self.sizes = (batch, heads, n, d), q.dtype, q.device, (heads, n, n)
         self.compiling_only = gluon_hopper._compiling_only()
         self.delta = _delta_launch(o, cache)
+        from course_lib.kernels.backward import Buffers
+
+        # dQ's fp32 accumulator and Δ in one allocation, dq, dk, dv in another (backward.Buffers)
+        self.buffers = Buffers(self.shape, self.shape, q.dtype, torch.float32, q.device, one_pass=True)
         m, n_rows = cfg["BLOCK_M"], cfg["BLOCK_N"]
         self.descriptors = gluon_hopper.Descriptors((m, n_rows, n_rows, m, n_rows, n_rows), cache)  # q k v do dk dv
         self.launch = CachedLaunch(attention_backward_gluon_kernel, (triton.cdiv(n, n_rows), batch * heads), dict(
@@ -562,10 +568,9 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
         ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
     """
     launch = launch or BackwardLaunch(q, k, v, o, do, lse, causal, config)
-    delta = _delta(o, do, lse, launch.delta)
-    dq_acc = torch.zeros(launch.shape, dtype=torch.float32, device=launch.device)
-    dk = torch.empty(launch.shape, dtype=launch.dtype, device=launch.device)
-    dv = torch.empty_like(dk)
+    dq_acc, delta = launch.buffers.scratch()
+    delta = _delta(o, do, lse, launch.delta, delta)
+    dq, dk, dv = launch.buffers.grads()
     with compat.FallBack("the Gluon backward", strict=launch.compiling_only) as attempt:
         kernel = launch(q, k, v, do, dk, dv, lse, delta, dq_acc, scale)
     if attempt.failed:  # this Triton cannot compile it (warned once): chapter 07's Triton backward
@@ -573,7 +578,7 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
 
         return attention_backward(do, q, k, v, o, lse, causal, scale)
     attention_backward_gluon.last_kernel = kernel
-    return dq_acc.to(q.dtype), dk, dv
+    return launch.buffers.dq_from(dq, dq_acc), dk, dv
 
 
 attention_backward_gluon.last_kernel = None

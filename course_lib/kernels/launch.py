@@ -100,10 +100,18 @@ def _launcher(compiled, grid: tuple):
 
     compiled._init_handles()  # loaded already by the first launch: returns at once
     grid_x, grid_y, grid_z = grid
+    active = driver.active
+    get_device, get_stream = active.get_current_device, active.get_current_stream
+    import torch
+
+    if get_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+        # the same index without current_device's _lazy_init (CUDA is up: this kernel was launched):
+        # ~3 µs less per launch in the H100 profile; still read per launch (torch.cuda.set_device)
+        get_device = torch._C._cuda_getDevice
 
     def launch(*args):
-        device = driver.active.get_current_device()
-        stream = driver.active.get_current_stream(device)
+        device = get_device()
+        stream = get_stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         # a HookChain (Triton 3.6+) is empty unless a profiler hooked in; older Tritons: None or a hook
         hooked = getattr(enter, "calls", enter)

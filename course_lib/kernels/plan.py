@@ -40,8 +40,11 @@ from course_lib.kernels.launch import CachedLaunch
 # Triton specializes a pointer argument on whether it is a multiple of 16 bytes, and TMA
 # descriptors need it: a compiled kernel is only right for the alignment it was compiled for.
 ALIGN_BYTES = 16
-# The environment switches that pick kernels or their constexprs. Read on every call: tools and
-# tests flip them within one process.
+# The environment switches that pick kernels or their constexprs. Read once per call, in the
+# signature: tools and tests flip them within one process, and nothing cheaper tells that one
+# changed (os.environ keeps no version counter; a cached copy would serve a stale plan after
+# monkeypatch.setenv). The read costs 0.3 µs of the signature's 1.8 µs (our CPU, torch 2.13,
+# 2026-11-27, timeit); what did cost was reading them 2-3 times per call, now once.
 SWITCHES = (tuning.TMA_ENV, tuning.GLUON_ENV, tuning.GLUON_BACKWARD_ENV, tuning.AUTOTUNE_ENV,
             forward.FP32_DOTS_ENV)
 # Signatures kept (oldest made first out): a model calls a handful; a sweep over many lengths
@@ -68,11 +71,17 @@ def signature(q, k, v, causal: bool) -> tuple:
         RuntimeError / AttributeError from tensors without strides or storage (sparse, nested):
         the caller checks those inputs the slow way.
     """
-    rt = runtime.current()
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device,
             (q.data_ptr() % ALIGN_BYTES == 0, k.data_ptr() % ALIGN_BYTES == 0, v.data_ptr() % ALIGN_BYTES == 0),
-            causal, rt.mode, torch.cuda.current_device() if q.is_cuda else None, _switches())
+            causal, runtime.current().mode, _current_cuda_device() if q.is_cuda else None, _switches())
+
+
+# The current CUDA device's index, as torch.cuda.current_device() returns it but without its
+# _lazy_init() (asked only with a CUDA tensor in hand, so CUDA is initialized): current_device cost
+# ~3 µs a call in the H100 profile (FACTS.md, 2026-11-27). Read on every call, not cached:
+# torch.cuda.set_device may change it, and a launch by handle runs on the current device.
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device  # CPU builds lack it
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -177,9 +186,10 @@ class Plan:
 
     def _make_forward(self, q, k, v, causal: bool):
         q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
-        if q4.is_cuda and _gluon_forward_module().library_uses_gluon(q4, k4, v4):  # chapter 09: Gluon
+        small = tuning.small_problem_on_gpu(q4)  # chapter 06's kernel: no descriptors to pack (tuning.py)
+        if not small and q4.is_cuda and _gluon_forward_module().library_uses_gluon(q4, k4, v4):  # chapter 09: Gluon
             run = _GluonForward(self, q4, k4, v4, causal)
-        elif hopper.library_uses_tma(q4, k4, v4):  # chapter 09: descriptor loads where they pay
+        elif not small and hopper.library_uses_tma(q4, k4, v4):  # chapter 09: descriptor loads where they pay
             run = hopper.TmaForwardLaunch(q4, k4, v4, causal, cache=True)
         else:
             run = forward.ForwardLaunch(q4, k4, v4, causal, cache=True)
@@ -189,9 +199,10 @@ class Plan:
     def _make_backward(self, key, do, q, k, v, o, lse, causal: bool, deterministic: bool):
         q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
         lse4 = lse.reshape(o4.shape[:-1])
-        # chapter 09: the Gluon one-pass backward on Hopper (never for deterministic=True)
-        if not deterministic and do.is_cuda and _gluon_backward_module().library_uses_gluon_backward(
-                q4, k4, v4, o4, do4):
+        # chapter 09: the Gluon one-pass backward on Hopper (never for deterministic=True, nor for a
+        # small problem: chapter 07's two kernels, the fewest launches, tuning.small_problem)
+        if (not deterministic and do.is_cuda and not tuning.small_problem_on_gpu(q4)
+                and _gluon_backward_module().library_uses_gluon_backward(q4, k4, v4, o4, do4)):
             run = _GluonBackward(self, key, q4, k4, v4, o4, do4, lse4, causal)
         else:
             run = backward.BackwardLaunch(q4, k4, v4, causal, deterministic=deterministic, cache=True)

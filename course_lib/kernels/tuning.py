@@ -67,11 +67,44 @@ SHORT_CAUSAL_SEQ_LEN = 1024
 ONE_PASS_MAX_HEAD_DIM = 64
 
 
-def one_pass_pays(seq_len: int, head_dim: int, causal: bool) -> bool:
+def one_pass_pays(seq_len: int, head_dim: int, causal: bool, small: bool = False) -> bool:
     """Whether the library's default backward is the one-pass one: padded ``head_dim`` at most
-    :data:`ONE_PASS_MAX_HEAD_DIM`, and not a short causal sequence."""
+    :data:`ONE_PASS_MAX_HEAD_DIM`, not a short causal sequence, and not a ``small`` problem
+    (:func:`small_problem`: there the two-kernel backward has the fewest launches)."""
     short_causal = causal and seq_len <= SHORT_CAUSAL_SEQ_LEN
-    return head_dim <= ONE_PASS_MAX_HEAD_DIM and not short_causal
+    return head_dim <= ONE_PASS_MAX_HEAD_DIM and not short_causal and not small
+
+
+# Small problems take chapter 06's and 07's Triton kernels, not chapter 09's Gluon or TMA ones,
+# and the two-kernel backward. A problem is small when it has fewer query tiles of
+# SMALL_PROBLEM_TILE_ROWS rows (the Gluon kernels' tile) than the GPU has SMs: every kernel is then
+# one partial wave of a few µs, and the call's time is host time (issue 33: on an H100, B=1, H=4,
+# N=128, one eager call of the library cost 2.2x SDPA's FlashAttention-2 backend, forward and
+# forward+backward; tools/profile_overhead.py there: Triton's tensor-descriptor packing,
+# make_tensordesc_arg + fill_tma_descriptor, was 59 of 649 µs of a profiled fwd+bwd call at d=128,
+# 10 descriptors per call). The Triton kernels take pointers and strides: no descriptors. The
+# two-kernel backward launches Δ, dK/dV and dQ (3 launches) where the one-pass backwards (Gluon's
+# and Triton's) launch Δ, dQ's fp32 zero fill, the kernel and dQ's cast (4), and its bits repeat.
+# The Gluon kernels stay wherever the GPU is full: every cell of the recorded benchmark grid
+# (course_lib/data/benchmarks/h100*.json: N = 1k-16k, B·N = 16k tokens, H·d = 2048) has at least
+# 2048 query tiles, 15x an H100's 132 SMs, so those numbers still describe what the library runs.
+SMALL_PROBLEM_TILE_ROWS = 128
+
+
+def small_problem(batch_heads: int, n_q: int, sm_count: int) -> bool:
+    """Whether ``batch_heads`` (B·H) heads of ``n_q`` queries make fewer query tiles of
+    :data:`SMALL_PROBLEM_TILE_ROWS` rows than ``sm_count`` SMs (see above)."""
+    return batch_heads * -(-n_q // SMALL_PROBLEM_TILE_ROWS) < sm_count
+
+
+def small_problem_on_gpu(q) -> bool:
+    """:func:`small_problem` for the ``(B, H, N_q, d)`` CUDA tensor ``q`` on its GPU (False off a GPU)."""
+    if not q.is_cuda:
+        return False
+    import torch
+
+    batch, heads, n_q = q.shape[0], q.shape[1], q.shape[2]
+    return small_problem(batch * heads, n_q, torch.cuda.get_device_properties(q.device).multi_processor_count)
 
 
 # The order of a causal forward's programs (kernels/tiles.py: 0 head by head, first tile first; 1
