@@ -197,10 +197,17 @@ def test_library_backward_takes_gluon_on_hopper(causal, n, d, monkeypatch):
     calls = []
     real = gb.attention_backward_gluon
     monkeypatch.setattr(gb, "attention_backward_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    from course_lib.kernels import tuning
+
+    # Enough heads for a full GPU: a small problem (fewer query tiles than SMs) takes chapter 07's
+    # two kernels on purpose (tuning.small_problem).
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = -(-sms // (2 * -(-n // tuning.SMALL_PROBLEM_TILE_ROWS)))
+    assert not tuning.small_problem(2 * heads, n, sms)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(2, 3, n, d, device="cuda", dtype=torch.float16, generator=gen).requires_grad_()
+    q, k, v = (torch.randn(2, heads, n, d, device="cuda", dtype=torch.float16, generator=gen).requires_grad_()
                for _ in range(3))
-    do = torch.randn(2, 3, n, d, device="cuda", dtype=torch.float16, generator=gen)
+    do = torch.randn(2, heads, n, d, device="cuda", dtype=torch.float16, generator=gen)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
