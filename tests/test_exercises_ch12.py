@@ -501,3 +501,18 @@ def test_measure_grid_on_a_gpu(tmp_path):
                                     warmup=1, log=lambda line: None)
     assert len(rows) == 2 * len(model_bench.IMPLS)
     assert all(not r["oom"] and r["tokens_per_s"] > 0 and r["peak_mib"] > 0 for r in rows)
+
+
+def test_the_fake_probe_refuses_kernel_launches():
+    """On a GPU a fake that launches the kernel on FakeTensors would hand it null pointers (an
+    illegal memory access that ruins the session's CUDA context): while the probe runs, Triton's
+    launch-enter hook (called before the launcher reads any pointer) refuses, and afterwards it
+    is gone."""
+    from triton import knobs
+
+    with ch12._no_kernel_launches():
+        with pytest.raises(ch12._LaunchedOnFakes):
+            knobs.runtime.launch_enter_hook(None)
+    knobs.runtime.launch_enter_hook(None)  # no refusal left behind
+    assert "the fake runs the kernel" in ch12.opcheck_diagnosis(str(ch12._LaunchedOnFakes(
+        "the fake launched a Triton kernel on FakeTensors (no data pointer)")))

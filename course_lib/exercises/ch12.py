@@ -440,6 +440,43 @@ def opcheck_report(op, args: tuple) -> dict[str, str]:
         return torch.library.opcheck(op, args)
 
 
+class _LaunchedOnFakes(RuntimeError):
+    """A kernel launch while :func:`probe_fake` ran the op's fake implementation."""
+
+
+@contextlib.contextmanager
+def _no_kernel_launches():
+    """Refuse every Triton launch inside (Triton's launch-enter hook runs before the launcher reads
+    a pointer, and an exception there stops the launch). On a GPU a fake that launches the kernel
+    on FakeTensors hands it pointers to no memory: an illegal memory access, which leaves the
+    CUDA context unusable for the rest of the session, so the check must stop it before."""
+    from triton import knobs
+
+    hooks = knobs.runtime.launch_enter_hook
+
+    def refuse(*_):
+        raise _LaunchedOnFakes("the fake launched a Triton kernel on FakeTensors (no data pointer)")
+
+    if not hasattr(hooks, "add"):  # an older Triton without a chain of hooks: nothing to hang on
+        yield
+        return
+    hooks.add(refuse)
+    try:
+        yield
+    finally:
+        hooks.remove(refuse)
+
+
+def probe_fake(op, args: tuple) -> None:
+    """Call ``op`` on FakeTensor copies of ``args`` (what torch.compile and ``opcheck`` do with its
+    fake implementation), launching nothing; raise what the fake raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _quiet_torch(), _no_kernel_launches(), FakeTensorMode() as mode:
+        fakes = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        op(*fakes)
+
+
 def _sample_block(op, scale: float) -> Callable:
     """A small compiled-model stand-in: the op between two torch operations."""
     def block(q, k, v):
@@ -526,6 +563,7 @@ def check_custom_op(make_op):
         case = cases[n - 1]
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
         try:
+            probe_fake(op, args)  # first, launching nothing (a launch on FakeTensors breaks a GPU)
             opcheck_report(op, args)
         except KeyboardInterrupt:
             raise

@@ -263,12 +263,23 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
             return ops.masked_attention_forward(*_masked_op_args(q, k, v, causal, scale, window, seq_lens,
                                                                  block_mask), deterministic)[0]
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
+        if not _differentiated(q, k, v):
+            return masked.masked_forward(q4, k4, v4, scale, plan)[0].reshape(q.shape)
         return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic).reshape(q.shape)
     plan = validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if plan is None and torch.compiler.is_compiling():
         return ops.attention_forward(q, k, v, causal, scale, deterministic)[0]
+    if not _differentiated(q, k, v):
+        return _forward(q, k, v, causal, scale, plan)[0]
     return FlashAttentionFunction.apply(q, k, v, causal, scale, deterministic, plan)
+
+
+def _differentiated(q, k, v) -> bool:
+    """Whether autograd records this call: grad mode on and an input that requires grad. When not
+    (inference, generation, ``torch.no_grad``), the call skips its autograd Function: on an H100
+    ``Function.apply`` cost a third of a tiny forward's host time (tools/profile_overhead.py)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def flash_attention_with_lse(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,

@@ -393,9 +393,10 @@ class Buffers:
     - the scratch: dQ's fp32 accumulator (one-pass backwards: zeroed) and Δ, one buffer; Δ starts
       :data:`SCRATCH_ALIGN_BYTES` aligned, as its own allocation would, so the kernels' pointer
       specialization (16-byte alignment) is the same as with separate buffers;
-    - the gradients dq, dk, dv in the work dtype: one ``(3, ...)`` buffer when q and k have one shape,
-      else dk and dv in one ``(2, ...)`` buffer, each a contiguous slice; only where a slice's bytes
-      are a multiple of 16 (every slice 16-byte aligned, as a fresh allocation is).
+    - the gradients dq, dk, dv keep one allocation each: they are the call's outputs, and outputs
+      that share storage break the custom op's contract (``torch.library.opcheck`` on the H100:
+      "Outputs 1 and 2 alias unexpectedly") and would tie ``q.grad``, ``k.grad`` and ``v.grad``
+      to one block of memory.
 
     Only CUDA tensors share allocations: the caching allocator's per-call cost is what this saves.
     On CPU tensors (the interpreter, the sm_90 stand-in) each buffer keeps its own allocation: glibc
@@ -422,11 +423,7 @@ class Buffers:
         self.delta_offset = -(-n_acc // align) * align
         self.scratch_numel = self.delta_offset + n_acc // q_shape[-1]
         self.q_strides, self.lse_strides = _strides(q_shape), _strides(self.lse_shape)
-        # dq from dQ's accumulator as it is (fp32 work): not a slice of the gradients' buffer
-        self.dq_is_acc = one_pass and work == acc
-        slice_bytes = (n_acc // q_shape[2]) * k_shape[2] * work.itemsize
-        stackable = self.combine and slice_bytes % ALIGN_BYTES == 0
-        self.stack = 3 if stackable and q_shape == k_shape and not self.dq_is_acc else 2 if stackable else 0
+        self.dq_is_acc = one_pass and work == acc  # dq is dQ's accumulator as it is (fp32 work)
 
     def scratch(self):
         """``(dq_acc, delta)``: dQ's accumulator ``(B, H, N_q, d)``, zeroed (None unless one-pass), and
@@ -441,26 +438,20 @@ class Buffers:
                 buf.as_strided(self.lse_shape, self.lse_strides, self.delta_offset))
 
     def grads(self):
-        """``(dq, dk, dv)`` in the work dtype, contiguous; dq is None for a one-pass call whose dq is
-        not a slice of the gradients' buffer (:meth:`dq_from` makes it)."""
-        if self.stack == 3:
-            return torch.empty((3, *self.q_shape), dtype=self.work, device=self.device).unbind(0)
-        if self.stack == 2:
-            dk, dv = torch.empty((2, *self.k_shape), dtype=self.work, device=self.device).unbind(0)
-        else:
-            dk = torch.empty(self.k_shape, dtype=self.work, device=self.device)
-            dv = torch.empty_like(dk)
+        """``(dq, dk, dv)`` in the work dtype, contiguous, each its own allocation; dq is None for a
+        one-pass call (:meth:`dq_from` makes it from the accumulator)."""
+        dk = torch.empty(self.k_shape, dtype=self.work, device=self.device)
+        dv = torch.empty_like(dk)
         return None if self.one_pass else torch.empty(self.q_shape, dtype=self.work, device=self.device), dk, dv
 
     def dq_from(self, dq, dq_acc):
         """dQ in the work dtype from the one-pass accumulator ``dq_acc``, rounded once (as ``.to``
-        rounds): into ``dq`` (:meth:`grads`' slice) when there is one."""
+        rounds): into ``dq`` when given (the caller's ``out``)."""
         if dq is not None:
             return dq.copy_(dq_acc)
         return dq_acc if self.dq_is_acc else dq_acc.to(self.work)
 
 
-ALIGN_BYTES = 16  # Triton specializes pointers on 16-byte alignment; TMA needs it
 SCRATCH_ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
 
 
