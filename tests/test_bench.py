@@ -232,7 +232,7 @@ def test_overhead_row_on_cpu_in_the_interpreter():
     if runtime.current().on_gpu:
         pytest.skip("the CPU path; on a GPU the lead's run records the real numbers")
     for pass_ in bench.PASSES:
-        row = bench.measure_overhead("course", "float32", 16, 16, True, pass_, batch=1, heads=1, calls=1, repeats=1,
+        row = bench.measure_overhead("course", "float32", 16, 16, True, pass_, batch=1, heads=1, calls=1, rounds=1,
                                      warmup=0)
         assert set(row) == bench.OVERHEAD_ROW_KEYS and row["us_per_call"] > 0
         assert (row["impl"], row["pass"], row["d"], row["N"], row["causal"], row["batch"], row["heads"], row["calls"]) \
@@ -245,25 +245,31 @@ def test_overhead_backend_that_cannot_run_gives_no_row(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("cuDNN runs on a GPU")
-    assert bench.measure_overhead("sdpa_cudnn", "float32", 16, 16, False, "fwd", calls=1, repeats=1, warmup=0) is None
+    assert bench.measure_overhead("sdpa_cudnn", "float32", 16, 16, False, "fwd", calls=1, rounds=1, warmup=0) is None
     assert "sdpa_cudnn float32 d=16 N=16 causal=False fwd: not run" in capsys.readouterr().out
 
 
 def test_run_overhead_record_with_a_stand_in_timer(tmp_path):
-    """Every (cell, pass, impl) gets a row, the meta says the timer, and the record reads back."""
+    """Every (cell, pass, impl) gets a row; the implementations of a cell take turns, round after
+    round, and each keeps its fastest loop; the meta says the timer and the statistic, and the
+    record reads back."""
     import json
 
     calls = []
+    times = iter([14.0, 30.0, 12.5, 31.0, 13.0, 29.5] * 2 * len(bench.PASSES))
 
     def timer(step, **kwargs):
         calls.append(kwargs)
-        return 12.5
+        return next(times)
 
-    data = bench.run_overhead(impls=("course",), dtypes=("float32",), head_dims=(16,), seq_lens=(16, 32),
-                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1)
-    assert data["meta"]["timer"] == "eager" and len(data["rows"]) == 2 * len(bench.PASSES) == len(calls)
-    assert {r["N"] for r in data["rows"]} == {16, 32} and all(r["us_per_call"] == 12.5 for r in data["rows"])
-    assert [c["grads"] is not None for c in calls] == [p == "fwd+bwd" for p in bench.PASSES] * 2
+    data = bench.run_overhead(impls=("course", "sdpa_flash"), dtypes=("float32",), head_dims=(16,), seq_lens=(16, 32),
+                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1, rounds=3)
+    assert data["meta"]["timer"] == "eager" and "fastest of 3" in data["meta"]["statistic"]
+    assert len(data["rows"]) == 2 * 2 * len(bench.PASSES) and len(calls) == 3 * len(data["rows"])
+    assert {r["N"] for r in data["rows"]} == {16, 32}
+    assert {r["impl"]: r["us_per_call"] for r in data["rows"][:2]} == {"course": 12.5, "sdpa_flash": 29.5}
+    assert [c["warmup"] > 0 for c in calls[:6]] == [True, True, False, False, False, False]
+    assert [c["grads"] is not None for c in calls[::6]] == [p == "fwd+bwd" for p in bench.PASSES] * 2
     path = tmp_path / "toy_overhead.json"
     path.write_text(json.dumps(data))
     assert bench.load_overhead(path=path) == data
