@@ -287,13 +287,18 @@ def run_grid(dtypes=GRID["dtype"], head_dims=GRID["d"], seq_lens=GRID["N"], caus
 # Reading, tables and plots (CPU or GPU)
 
 
-def recorded_path(gpu: str = "h100") -> Path:
-    return RECORDED_DIR / f"{gpu.lower()}.json"
+def recorded_path(gpu: str = "h100", timer: str = "cudagraph") -> Path:
+    """Where the grid measured on ``gpu`` with ``timer`` is recorded: ``<gpu>.json`` for the
+    default timer (CUDA graphs), ``<gpu>_<timer>.json`` for another (``h100_eager.json``: the grid
+    as a training loop calls it, issue 33)."""
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
+    return RECORDED_DIR / (f"{gpu.lower()}.json" if timer == "cudagraph" else f"{gpu.lower()}_{timer}.json")
 
 
-def load_recorded(gpu: str = "h100") -> dict | None:
-    """The results recorded in the repository for ``gpu``, or None when there are none."""
-    path = recorded_path(gpu)
+def load_recorded(gpu: str = "h100", timer: str = "cudagraph") -> dict | None:
+    """The results recorded in the repository for ``gpu`` with ``timer``, or None when there are none."""
+    path = recorded_path(gpu, timer)
     if not path.exists():
         return None
     return json.loads(path.read_text())
@@ -689,10 +694,11 @@ def main(argv=None) -> dict:
     args.impl = args.impl or list(impls)
     if args.overhead:
         return _overhead_main(args)
-    if args.show_recorded:
-        data = load_recorded(args.show_recorded)
+    if args.show_recorded:  # with --timer eager: the grid recorded without CUDA graphs
+        data = load_recorded(args.show_recorded, args.timer)
         if data is None:
-            raise SystemExit(f"no results recorded for {args.show_recorded} at {recorded_path(args.show_recorded)}")
+            raise SystemExit(f"no results recorded for {args.show_recorded} at "
+                             f"{recorded_path(args.show_recorded, args.timer)}")
     else:
         def save(data):
             if args.out:

@@ -48,6 +48,26 @@ def test_recorded_file_schema():
             assert len(cells) == 24, (impl, pass_, len(cells))
 
 
+def test_recorded_eager_grid_is_the_grid_timed_as_users_call_it(capsys):
+    """``h100_eager.json`` (issue 33): the same grid, timed without CUDA graphs, for ours against
+    SDPA's FlashAttention-2 and cuDNN, every row and the meta saying so; the CLI shows it."""
+    path = bench.recorded_path("h100", "eager")
+    assert path.name == "h100_eager.json" and bench.recorded_path("h100").name == "h100.json"
+    data = bench.load_recorded("h100", "eager")
+    assert data is not None and data["meta"]["timer"] == "eager"
+    assert all(row["timer"] == "eager" for row in data["rows"])
+    for impl in ("course", "sdpa_flash", "sdpa_cudnn"):
+        for pass_ in bench.PASSES:
+            cells = {(r["dtype"], r["d"], r["N"], r["causal"]) for r in data["rows"]
+                     if r["impl"] == impl and r["pass"] == pass_}
+            assert len(cells) == 24, (impl, pass_, len(cells))
+    bench.main(["--show-recorded", "h100", "--timer", "eager"])
+    out = capsys.readouterr().out
+    assert "timed eagerly" in out and "course ÷ sdpa_cudnn" in out
+    with pytest.raises(ValueError, match="timer must be one of"):
+        bench.recorded_path("h100", "wall")
+
+
 def test_load_recorded_missing_gpu():
     assert bench.load_recorded("no_such_gpu") is None
 
