@@ -1,7 +1,8 @@
 # The course's two commands. Both set everything up on a fresh machine (a local .venv with the
 # pinned packages; re-running is quick when nothing changed).
 #   make lab    open the course in JupyterLab (prints the URL; needs no browser on this machine)
-#   make test   run every test: unit, property, both notebook folders (nbval) and the browser test
+#   make test   run every test: unit, property, both notebook folders (solutions/ by nbval, notebooks/ by
+#               tests/test_no_false_pass.py with nbval-lax's rules) and the browser test
 
 PYTHON ?= python3
 VENV   ?= .venv

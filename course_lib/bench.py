@@ -46,6 +46,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 from course_lib.costmodel import attention_flops
@@ -304,13 +305,49 @@ def load_recorded(gpu: str = "h100", timer: str = "cudagraph") -> dict | None:
     return json.loads(path.read_text())
 
 
+# What each timer of TIMERS counts, as every printed result says it (issue 33: a benchmark names its timer).
+TIMER_NOTES = {
+    "cudagraph": "timed in CUDA graphs: GPU time only",
+    "events": "timed with triton.testing.do_bench: CUDA events, Python launch overhead included",
+    "eager": "timed eagerly (loops of back-to-back calls, no CUDA graph: host work per call included)",
+}
+
+
+def timer_note(meta: dict, default: str | None = None) -> str:
+    """One phrase of :data:`TIMER_NOTES`: the timer that measured a recorded file.
+
+    Args:
+        meta: the file's provenance header; its ``"timer"`` names the timer.
+        default: the timer of the tool that wrote the file, for files recorded before the tools
+            wrote ``"timer"`` (the reader that knows the tool passes it).
+
+    Returns:
+        e.g. ``"timed in CUDA graphs: GPU time only"``; ValueError when no timer of
+        :data:`TIMERS` is named.
+    """
+    timer = meta.get("timer", default)
+    if timer not in TIMER_NOTES:
+        raise ValueError(f"meta['timer'] must be one of {TIMERS} (or a default given), got {timer!r}")
+    return TIMER_NOTES[timer]
+
+
+def timer_summary(data: dict) -> str:
+    """The timers of a recorded file, in words: the one its ``meta`` names (:func:`timer_note`), then
+    how many rows another one measured (a call that no CUDA graph could capture was timed with
+    events, and its row says so). Empty when neither the meta nor a row names a timer."""
+    meta_timer = data["meta"].get("timer")
+    others = Counter(r["timer"] for r in data["rows"] if r.get("timer", meta_timer) != meta_timer)
+    parts = [timer_note(data["meta"])] if meta_timer is not None else []
+    parts += [f"{count} of {len(data['rows'])} rows {timer_note({'timer': t})}" for t, count in sorted(others.items())]
+    return "; ".join(parts)
+
+
 def provenance(data: dict) -> str:
-    """One line: where and when the numbers were measured."""
+    """One line: where and when the numbers were measured, and with which timer (when recorded)."""
     m = data["meta"]
-    timer = {"cudagraph": ", timed in CUDA graphs", "events": ", timed with events (launch overhead included)",
-             "eager": ", timed eagerly (loops of back-to-back calls, no CUDA graph: host work per call included)"}
+    timers = timer_summary(data)
     return (f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
-            f"on {m['date']}{timer.get(m.get('timer'), '')}")
+            f"on {m['date']}{', ' + timers if timers else ''}")
 
 
 def _cells(data: dict, pass_: str) -> dict:
@@ -761,6 +798,10 @@ if __name__ == "__main__":
 # Chapter 07: the one-pass backward against the two-kernel backward (tools/bench_backward.py)
 
 
+# tools/bench_backward.py times with triton.testing.do_bench; its file names no timer.
+ONE_PASS_TIMER = "events"
+
+
 def one_pass_table(path: Path | None = None) -> str:
     """The recorded backward-only timings (``tools/bench_backward.py``, the library's own configs):
     TFLOP/s of the two-kernel backward and of the one-pass backward with TMA reduce-adds and with
@@ -780,5 +821,5 @@ def one_pass_table(path: Path | None = None) -> str:
                          f"{t['atomic']:>15.0f} {t['tma'] / t['two']:>8.2f}x")
     m = data["meta"]
     lines.append(f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, triton {m['triton']}, "
-                 f"on {m['date']} (tools/bench_backward.py --configs table)")
+                 f"on {m['date']} (tools/bench_backward.py --configs table), {timer_note(m, ONE_PASS_TIMER)}")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from numbers import Integral
 import numpy as np
 
 from course_lib import costmodel
+from course_lib.bench import timer_note
 from course_lib.gqa import check_gqa_inputs, group_queries, repeat_kv
 from course_lib.iomodel import num_blocks
 from course_lib.iomodel import validate_block_size as _positive_int
@@ -214,6 +215,8 @@ def decode_attention_reference(q, k, v, scale: float | None = None):
 # The recorded H100 benchmark of the Triton flash-decoding kernels (tools/bench_decoding.py)
 
 RECORDED_BENCH = Path(__file__).resolve().parent / "data" / "benchmarks" / "h100_decoding.json"
+# tools/bench_decoding.py times with triton.testing.do_bench; its file names no timer.
+RECORDED_BENCH_TIMER = "events"
 
 
 def load_recorded_bench(path: Path | str = RECORDED_BENCH) -> dict:
@@ -223,11 +226,12 @@ def load_recorded_bench(path: Path | str = RECORDED_BENCH) -> dict:
 
 def format_recorded_bench(data: dict) -> str:
     """A table: per (batch, cache length), time and bandwidth as a fraction of the measured copy
-    ceiling, for ``flash_decode_triton`` and SDPA."""
+    ceiling, for ``flash_decode_triton`` and SDPA; the second line names the timer."""
     p = data["provenance"]
     lines = [f"{p['gpu']}, torch {p['torch']}, triton {p['triton']}, {p['date'][:10]}; {data['what']}",
              f"copy ceiling {data['copy_ceiling_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"{data['shape']['heads']} query heads, {data['shape']['kv_heads']} K/V heads, d={data['shape']['head_dim']}",
+             f"{data['shape']['heads']} query heads, {data['shape']['kv_heads']} K/V heads, "
+             f"d={data['shape']['head_dim']}; {timer_note(p, RECORDED_BENCH_TIMER)}",
              f"{'batch':>5} {'N':>7} {'splits':>6} | {'triton ms':>9} {'of copy':>7} | {'sdpa ms':>8} {'of copy':>7}"]
     for r in data["results"]:
         t, s = r["triton"], r["sdpa"]

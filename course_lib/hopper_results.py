@@ -20,9 +20,14 @@ import json
 import statistics
 from pathlib import Path
 
-from course_lib.bench import RECORDED_DIR
+from course_lib.bench import RECORDED_DIR, timer_note
 
 RECORDED_FILE = RECORDED_DIR / "h100_fa3.json"
+# The timers of the tools that wrote the files, whose headers name none: tools/fa3_ablation.py
+# times with triton.testing.do_bench; tools/gluon_forward.py and tools/gluon_backward.py with
+# course_lib.bench's CUDA-graph timer. The loaders fill them in (a file that names one keeps it).
+FA3_TIMER = "events"
+GLUON_TIMER = "cudagraph"
 
 # The ablation's steps: (label, variant, config or None for "best of the variant"). Each adds one
 # idea to the one before, at the cell's dtype/d/N; the last two are the yardsticks.
@@ -39,18 +44,21 @@ BASELINES = (("FlashAttention-2", "sdpa_flash"), ("cuDNN", "sdpa_cudnn"))
 
 
 def load(path: Path | str = RECORDED_FILE) -> dict:
-    """The recorded measurements. Raises FileNotFoundError naming ``path`` if missing."""
+    """The recorded measurements (``meta["timer"]`` filled in: :data:`FA3_TIMER`). Raises
+    FileNotFoundError naming ``path`` if missing."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no recorded chapter 09 results at {path}; run tools/fa3_ablation.py on a Hopper GPU")
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    data["meta"].setdefault("timer", FA3_TIMER)
+    return data
 
 
 def provenance(data: dict) -> str:
-    """One line: GPU (and driver, where recorded), torch, triton, date of the run."""
+    """One line: GPU (and driver, where recorded), torch, triton, date of the run, and its timer."""
     m = data["meta"]
     driver = f" (driver {m['driver']})" if "driver" in m else ""
-    return f"{m['gpu']}{driver}, torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
+    return f"{m['gpu']}{driver}, torch {m['torch']}, triton {m['triton']}, measured {m['date']}, {timer_note(m)}"
 
 
 def tflops(data: dict, variant: str, dtype: str, d: int, n: int, causal: bool, config=None,
@@ -172,7 +180,7 @@ def plot_ablation(data: dict, dtype: str = "float16", d: int = 128, n: int = 163
     ax.set_yticks(y, [r["step"] for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("forward TFLOP/s")
-    ax.set_title(f"FlashAttention-3 ideas, one at a time ({dtype}, d={d}, N={n}, H100)")
+    ax.set_title(f"FlashAttention-3 ideas, one at a time ({dtype}, d={d}, N={n}, H100)\n{timer_note(data['meta'])}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: the bars reach both edges
     fig.tight_layout()
     return fig
@@ -235,11 +243,13 @@ def load_gluon(path: Path | str = GLUON_FILE) -> dict | None:
 
     ``speed`` rows: ``impl`` (``gluon_<variant>``, ``tma``: the Triton descriptor forward,
     ``sdpa_cudnn``), ``dtype``, ``N``, ``causal``, forward ``tflops`` (d=128, 16 heads,
-    B·N = 16k tokens, CUDA-graph median)."""
+    B·N = 16k tokens, CUDA-graph median; ``meta["timer"]`` filled in: :data:`GLUON_TIMER`)."""
     path = Path(path)
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    data["meta"].setdefault("timer", GLUON_TIMER)
+    return data
 
 
 def gluon_tflops(data: dict, impl: str, dtype: str, n: int, causal: bool) -> float | None:
@@ -275,7 +285,7 @@ def gluon_table(data: dict) -> str:
     head = (f"{'dtype':<9} {'N':>6} {'causal':>6} |" + "".join(f"{label:>12}" for label, _ in GLUON_COLUMNS)
             + f" | {'pp ÷ TMA':>9} {'pp ÷ cuDNN':>10}")
     lines = [provenance(data),
-             "forward TFLOP/s, d=128, 16 heads, B·N = 16k tokens, CUDA graphs; pp = d: pingpong",
+             "forward TFLOP/s, d=128, 16 heads, B·N = 16k tokens; pp = d: pingpong",
              head, "-" * len(head)]
     fmt = lambda x, width, spec: f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"  # noqa: E731
     for row in gluon_rows(data):
@@ -299,7 +309,8 @@ def gluon_plot(data: dict):
     ax.set_xticks(x, [f"{r['dtype'].replace('float', 'fp').replace('bfp', 'bf')}\nN={r['N']}"
                       f"{' causal' if r['causal'] else ''}" for r in rows], fontsize=8)
     ax.set_ylabel("forward TFLOP/s")
-    ax.set_title(f"The Gluon forward's four designs against the Triton TMA forward and cuDNN (d=128, {data['meta']['gpu']})")
+    ax.set_title(f"The Gluon forward's four designs against the Triton TMA forward and cuDNN (d=128, "
+                 f"{data['meta']['gpu']})\n{timer_note(data['meta'])}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
@@ -338,8 +349,8 @@ def gluon_backward_table(data: dict) -> str:
     of each column, the Gluon backward ÷ the Triton one and ÷ cuDNN's, and forward+backward ÷ cuDNN."""
     head = (f"{'dtype':<9} {'N':>6} {'causal':>6} |" + "".join(f"{label:>14}" for label, _ in GLUON_BACKWARD_COLUMNS)
             + f" | {'÷ Triton':>8} {'÷ cuDNN':>8} | {'fwd+bwd ÷ cuDNN':>15}")
-    lines = [provenance(data), "backward TFLOP/s (forward+backward minus forward), d=128, B·N = 16k tokens, "
-             "CUDA graphs", head, "-" * len(head)]
+    lines = [provenance(data), "backward TFLOP/s (forward+backward minus forward), d=128, B·N = 16k tokens",
+             head, "-" * len(head)]
     ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
     for row in gluon_backward_rows(data):
         bwd, both = row["bwd"], row["fwd+bwd"]

@@ -27,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from course_lib.bench import RECORDED_DIR
+from course_lib.bench import RECORDED_DIR, timer_summary
 
 RECORDED_FILE = RECORDED_DIR / "h100_masks.json"
 
@@ -95,9 +95,11 @@ def recorded(path: Path | str = RECORDED_FILE) -> dict | None:
 
 
 def provenance(data: dict) -> str:
+    """One line: GPU, versions, date and the timers (:func:`course_lib.bench.timer_summary`)."""
     m = data["meta"]
     driver = f" (driver {m['driver']})" if "driver" in m else ""
-    return f"{m['gpu']}{driver}, torch {m['torch']}, triton {m['triton']}, measured {m['date']}"
+    timers = timer_summary(data) or "timer not recorded"
+    return f"{m['gpu']}{driver}, torch {m['torch']}, triton {m['triton']}, measured {m['date']}, {timers}"
 
 
 def status(path: Path | str = RECORDED_FILE) -> str:

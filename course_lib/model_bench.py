@@ -186,6 +186,20 @@ def measure_training(model, context: int, batch: int, steps: int, warmup: int,
             "step_ms": 1e3 * seconds / steps}
 
 
+def timer_note(steps: int, warmup: int) -> str:
+    """How :func:`measure_training` times, in words (a recorded file's ``meta["timer"]`` says it too).
+
+    Args:
+        steps, warmup: as :func:`measure_training` takes them.
+
+    Returns:
+        e.g. ``"wall clock of 10 training steps between torch.cuda.synchronize() calls, after 3
+        warm-up steps"``.
+    """
+    return (f"wall clock of {steps} training steps between torch.cuda.synchronize() calls, after "
+            f"{warmup} warm-up steps")
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     """True for CUDA running out of memory, also when torch.compile wrapped the error."""
     while exc is not None:
@@ -203,6 +217,8 @@ def measure_grid(contexts, impls=None, size: LlamaSize = BENCH_SIZE,
     ``tokens_per_step // T`` sequences a step. A cell that runs out of memory is a row with
     ``oom: True``.
 
+    Logs the timer (:func:`timer_note`) first, then one line per row.
+
     Returns:
         rows ``{"impl", "context", "batch", "oom", "tokens_per_s", "peak_mib", "step_ms"}``.
     """
@@ -216,6 +232,7 @@ def measure_grid(contexts, impls=None, size: LlamaSize = BENCH_SIZE,
         from course_lib.integrations import hf
 
         hf.register()  # "course": the library's kernels
+    log(f"timed by the {timer_note(steps, warmup)}")
     rows = []
     for context in contexts:
         batch = max(1, tokens_per_step // context)

@@ -161,6 +161,24 @@ def provenance(data: dict) -> str:
             f"{m['date']}{partial}")
 
 
+def timer_note(data: dict) -> str:
+    """One phrase: how ``tools/bench_ring.py`` timed the rows (its own wall-clock loop, none of
+    :data:`course_lib.bench.TIMERS`) and the ring steps' trace.
+
+    Args:
+        data: the recorded results (``meta["config"]``: ``repeats``, ``device``).
+
+    Returns:
+        the phrase that ends :func:`format_table` and the plot's title.
+    """
+    config = data["meta"]["config"]
+    calls = f"{config['repeats']} calls" if config.get("repeats") else "calls"
+    on_gpu = config.get("device", "cuda") == "cuda"  # the tool's --cpu run: gloo, the host clock
+    return (f"ms timed by the wall clock: {calls} back to back between "
+            f"{'torch.cuda.synchronize() and barriers' if on_gpu else 'barriers'}, after a warm-up call "
+            f"(the slowest rank's time); wait: {'CUDA events' if on_gpu else 'the host clock'} at each ring step")
+
+
 def status(path: Path | str = RECORDED_FILE) -> str:
     """One line: where the recorded results come from, or that none are recorded yet."""
     data = recorded(path)
@@ -283,7 +301,7 @@ def format_table(data: dict) -> str:
     """A text table of the course ring: per ``(W, N, causal, pass)`` the time, TFLOP/s per GPU,
     strong-scaling efficiency measured and modelled, the share of the steps spent waiting
     (measured / modelled), bytes per step, peak memory of the fullest GPU, and context_parallel's
-    time and its ratio to ours."""
+    time and its ratio to ours; the last line names the timer (:func:`timer_note`)."""
     head = (f"{'W':>2} {'N':>8} {'causal':>6} {'pass':>7} {'ms':>9} {'TF/s/GPU':>8} "
             f"{'eff':>5} {'model':>5} {'wait':>5} {'model':>5} {'MiB/step':>8} {'peak GiB':>8} "
             f"{'CP ms':>9} {'CP/ours':>7}")
@@ -303,6 +321,7 @@ def format_table(data: dict) -> str:
             f"{_fmt(r.get('wait_fraction'), '5.0%'):>5} {_fmt(m and m['wait_fraction'], '5.0%'):>5} "
             f"{_fmt(step and step / MIB, '8.1f'):>8} {_fmt(peak, '8.2f'):>8} "
             f"{_fmt(cp and cp['ms'], '9.2f'):>9} {_fmt(cp and cp['ms'] / r['ms'], '7.2f'):>7}")
+    lines.append(timer_note(data))
     return "\n".join(lines)
 
 
@@ -369,5 +388,5 @@ def plot_scaling(data: dict):
     ax.set_ylabel("TFLOP/s per GPU ÷ one GPU's on N / W")
     ax.set_title("weak scaling, forward + backward", fontsize=10)
     ax.legend(fontsize=8)
-    fig.suptitle(f"Ring attention, {provenance(data)}", fontsize=10)
+    fig.suptitle(f"Ring attention, {provenance(data)}\n{timer_note(data)}", fontsize=10)
     return fig

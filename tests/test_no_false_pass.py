@@ -160,13 +160,50 @@ def _notebook_has_checks(name: str) -> bool:
     return any(c.cell_type == "code" and CHECK_CELL.search(c.source) for c in nb.cells)
 
 
+def _nbval_markers(cell) -> dict:
+    """nbval's markers of a cell (its own parsers: ``# NBVAL_...`` comments and tags), e.g.
+    ``{"check": True}`` for ``# NBVAL_CHECK_OUTPUT``, ``{"skip": True}``, ``{"check_exception": True}``."""
+    from nbval.plugin import find_comment_markers, find_metadata_tags
+
+    return {**dict(find_metadata_tags(cell.metadata) or ()), **dict(find_comment_markers(cell.source))}
+
+
+# What nbval leaves out of a comparison (nbval.plugin.IPyNbFile.skip_compare, without --nbdime)
+_NBVAL_SKIP_COMPARE = ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
+                       "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
+
+
+def _comparable(outputs) -> dict:
+    """A cell's outputs as nbval compares them (``--nbval-lax``, no sanitizing): streams of one
+    name merged, then ``{field or MIME type: [values in order]}`` without the fields nbval skips."""
+    from nbval.plugin import coalesce_streams, transform_streams_for_comparison
+
+    flat: dict = {}
+    for out in transform_streams_for_comparison(coalesce_streams(copy.deepcopy(outputs))):
+        for key, value in out.items():
+            if key in _NBVAL_SKIP_COMPARE:
+                continue
+            items = value.items() if key == "data" else [(key, value)]
+            for field, v in items:
+                if field not in _NBVAL_SKIP_COMPARE:
+                    flat.setdefault(field, []).append(v)
+    return flat
+
+
+def _chapter_param(name: str):
+    return pytest.param(name, id=name, marks=[getattr(pytest.mark, f"ch{name[:2]}")])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in LEARNER_NOTEBOOKS if _notebook_has_checks(n)])
-def test_rerunning_only_the_check_cell_never_passes(name):
-    """Run the learner notebook top to bottom; after every check cell (the stub untouched: "not
-    done yet"), run that check cell again, as a learner who edited the exercise cell but did not
-    run it would: still "not done yet", never ✓. Every learner notebook with a check cell is run
-    (found by name), so a chapter added later is covered."""
+@pytest.mark.parametrize("name", [_chapter_param(n) for n in LEARNER_NOTEBOOKS])
+def test_learner_notebook_runs_and_rerunning_a_check_cell_never_passes(name):
+    """Run the learner notebook top to bottom in a real kernel, as ``pytest --nbval-lax`` would
+    (this test is ``make test``'s run of ``notebooks/``: nbval runs ``solutions/``): no cell raises
+    unless marked to, cells marked ``# NBVAL_CHECK_OUTPUT`` print what is stored, ``# NBVAL_SKIP``
+    cells are not run. After every check cell (the stub untouched: "not done yet"), run that
+    check cell again, as a learner who edited the exercise cell but did not run it would: still
+    "not done yet", never ✓. Every learner notebook is run (found by name), so a chapter added
+    later is covered."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -174,16 +211,22 @@ def test_rerunning_only_the_check_cell_never_passes(name):
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
-    seen, unexpected = [], []
+    seen, unexpected, differ = [], [], []
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
                 continue
+            markers = _nbval_markers(cell)
+            if markers.get("skip"):
+                continue
+            stored = copy.deepcopy(cell.outputs)
             client.execute_cell(cell, index)
             first = _text(cell)
-            if any(o.get("output_type") == "error" for o in cell.outputs) and \
-                    "raises-exception" not in cell.metadata.get("tags", []):
-                unexpected.append(f"cell {index}: {first[-600:]}")
+            raised = any(o.get("output_type") == "error" for o in cell.outputs)
+            if raised != bool(markers.get("check_exception")):
+                unexpected.append(f"cell {index}: {'raised' if raised else 'did not raise'}: {first[-600:]}")
+            if markers.get("check") and _comparable(cell.outputs) != _comparable(stored):
+                differ.append(f"cell {index}: stored {_comparable(stored)}\n  now {_comparable(cell.outputs)}")
             if not CHECK_CELL.search(cell.source) or "not done yet" not in first:
                 continue  # not a check cell, or one that shows a wrong answer on purpose
             assert "✓" not in first, first
@@ -194,4 +237,39 @@ def test_rerunning_only_the_check_cell_never_passes(name):
             assert "still the library's version" in second and "Run the exercise cell" in second, second
             seen.append(index)
     assert not unexpected, "\n".join(unexpected)
-    assert seen, f"{name}: no check cell said 'not done yet' in the learner notebook"
+    assert not differ, "outputs of # NBVAL_CHECK_OUTPUT cells changed:\n" + "\n".join(differ)
+    if _notebook_has_checks(name):
+        assert seen, f"{name}: no check cell said 'not done yet' in the learner notebook"
+
+
+def test_the_learner_notebooks_comparison_is_nbvals():
+    """The comparison above fails where nbval's would: a changed line of a stream, a changed
+    execute result, an extra output; and ignores what nbval ignores (execution counts, images)."""
+    from nbformat.v4 import new_output
+
+    stored = [new_output("stream", name="stdout", text="a\n"), new_output("stream", name="stdout", text="b\n"),
+              new_output("execute_result", data={"text/plain": "3", "image/png": "xx"}, execution_count=1)]
+    same = [new_output("stream", name="stdout", text="a\nb\n"),
+            new_output("execute_result", data={"text/plain": "3", "image/png": "yy"}, execution_count=7)]
+    assert _comparable(same) == _comparable(stored)
+    for changed in ([new_output("stream", name="stdout", text="a\nc\n"), same[1]],
+                    [same[0], new_output("execute_result", data={"text/plain": "4"}, execution_count=1)],
+                    [*same, new_output("stream", name="stderr", text="warning\n")]):
+        assert _comparable(changed) != _comparable(stored)
+    assert _nbval_markers(nbformat_cell("# NBVAL_CHECK_OUTPUT\nprint(1)")) == {"check": True}
+    assert _nbval_markers(nbformat_cell("x = 1", tags=["raises-exception"])) == {"check_exception": True}
+
+
+def nbformat_cell(source: str, tags=()):
+    from nbformat.v4 import new_code_cell
+
+    return new_code_cell(source, metadata={"tags": list(tags)} if tags else {})
+
+
+def test_make_test_runs_every_learner_notebook_once():
+    """nbval runs ``solutions/``; the learner notebooks run in the test above (not a second time
+    through nbval): pytest's paths are ``tests`` and ``solutions``."""
+    import tomllib
+
+    paths = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+    assert "solutions" in paths and "notebooks" not in paths and "tests" in paths

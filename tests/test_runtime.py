@@ -155,3 +155,60 @@ def test_course_lib_mode_must_be_known(monkeypatch):
         runtime.setup(verbose=False)
     monkeypatch.setenv(runtime.MODE_ENV, "auto")
     assert runtime.setup(verbose=False).mode == runtime.GPU
+
+
+def _helper_calling_kernel():
+    """A kernel that calls a ``@triton.jit`` helper twice and ``tl.max`` (module level: the
+    interpreter looks helpers up in the kernel's globals)."""
+    global _twice, _helper_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _twice(x):
+        return x * 2
+
+    @triton.jit
+    def _helper_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, _twice(_twice(x)) + tl.max(x, axis=0), mask=offs < n)
+
+    return _helper_kernel
+
+
+def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """In CPU mode a launch patches triton.language once; a helper's call inside it does not patch
+    again (runtime._patch_language_once_per_launch); the results are the ones Triton's own path
+    gives, a helper called outside any launch still runs, and the next launch is patched anew."""
+    if runtime.current().on_gpu:
+        pytest.skip("the interpreter's path; on a GPU kernels are compiled")
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    assert runtime._patch_language_once_per_launch()  # installed by setup; asking again changes nothing
+    assert getattr(interp._patch_lang, "_course_once_per_launch", False)
+
+    kernel = _helper_calling_kernel()
+    patched = []
+    triton_patch = interp._patch_lang.original
+
+    def counting(fn):
+        patched.append(fn.__name__)
+        return triton_patch(fn)
+
+    monkeypatch.setattr(interp._patch_lang, "original", counting)
+    before = {name: getattr(tl.core.tensor, name, None) for name in ("__index__", "__bool__", "__mul__")}
+    x = torch.randn(13)
+    out = torch.empty_like(x)
+    for _ in range(2):
+        patched.clear()
+        kernel[(1,)](x, out, 13, BLOCK=16)
+        # the launch's own patch, and tl.max's once (triton.language.standard sees triton.language.core,
+        # which the launch's patch of triton.language does not cover); never _twice's
+        assert patched == ["_helper_kernel", "max"], patched
+        assert torch.equal(out, x * 4 + x.max())
+    # Triton's restore after the launch put the language back as it was
+    assert {name: getattr(tl.core.tensor, name, None) for name in before} == before
