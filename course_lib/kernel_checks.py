@@ -157,10 +157,24 @@ def summarize_kernel_error(exc: BaseException) -> str:
     text = " ".join(f"{e} {getattr(e, 'error_message', '') or ''}" for e in chain)
     found = re.search(r"`([^`]*)`", detail)
     line = found.group(1) if found else ""
+    sizes = re.search(r"incompatible dimensions at index \d+: (\d+) and (\d+)", text)
+    if sizes and "tl.dot" not in line and sizes.group(1) != sizes.group(2):
+        return f"{detail}\n  hint: {_lengths_hint(*sizes.groups())}"
     for pattern, hint, *fits in ERROR_HINTS:
         if pattern in text and (not fits or fits[0](line)):
             return f"{detail}\n  hint: {hint}"
     return detail
+
+
+def _lengths_hint(a: str, b: str) -> str:
+    """The hint for two tiles of different lengths on one axis (Triton's "incompatible dimensions
+    ... a and b"): the ways such lengths meet, none singled out (the error alone cannot tell)."""
+    return (f"shapes do not broadcast: a tile {a} long meets one {b} long on the same axis. Either a "
+            f"1-D vector sits on the wrong axis (in a 2-D tile a row index needs [:, None] and a column "
+            f"index [None, :], in a mask or a tl.where condition too: a (BLOCK_M,) mask lines up with "
+            f"the columns of a (BLOCK_M, HEAD_DIM) block), or it was made along the wrong axis (on a "
+            f"(BLOCK_M, BLOCK_N) score tile tl.max/tl.sum with axis=1 give one value per row, axis=0 one "
+            f"per key column)")
 
 
 def _runtime():
@@ -288,6 +302,7 @@ class MemoryGuard:
                 f"{bad.size} of its {lanes.size} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
         where, why, evidence = self._locate(bad, lanes, write)
+        why += _swapped_program_ids_note(program, _grid_dims())
         raise MemoryViolation(f"{head}\n  first bad lane: {where}\n  {why}", op=op, write=write,
                               program=program, n_bad=int(bad.size), n_lanes=int(lanes.size),
                               **evidence)
@@ -438,6 +453,32 @@ class MemoryGuard:
                 f"needs a mask on its rows (mask=offs_m[:, None] < n"
                 f"{'' if write else ', other=0.0'})",
                 dict(tensor=r.name, index=idx, kind="past the end"))
+
+
+def _grid_dims() -> tuple:
+    """The running launch's grid in the interpreter (``()`` when unknown)."""
+    from triton.runtime import interpreter as interp
+
+    dims = getattr(interp.interpreter_builder, "grid_dim", None)
+    return tuple(int(n) for n in dims) if dims else ()
+
+
+def _swapped_program_ids_note(program: tuple, grid: tuple) -> str:
+    """A line of evidence when the faulting program is the very first whose id along one axis
+    reaches the grid's extent along another (every other id 0; programs run in order, so all
+    before it ran clean): what a kernel reading one axis's index from the other's program_id
+    does first. Empty otherwise."""
+    if len(program) != len(grid):
+        return ""
+    for i, v in enumerate(program):
+        others_zero = all(p == 0 for k, p in enumerate(program) if k != i)
+        for j, extent in enumerate(grid):
+            if j != i and extent > 1 and grid[i] > 1 and v == extent and others_zero:
+                return (f"\n  also: program ({', '.join(map(str, program))}) is the first of the grid "
+                        f"{tuple(grid)} whose program_id({i}) = {v} reaches the grid's extent along axis "
+                        f"{j} ({extent}): a kernel that takes axis {j}'s index from program_id({i}) (the "
+                        f"two program ids swapped) goes out of bounds first exactly here")
+    return ""
 
 
 _ACTIVE_GUARDS: list[MemoryGuard] = []

@@ -142,3 +142,16 @@ def test_no_guard_outside_the_block():
         pass
     copy_kernel[(3,)](x, y, 37, 1, BLOCK=16, MASKED=True, SHIFT=0)  # unguarded, fine
     assert torch.equal(x, y)
+
+
+def test_the_first_program_past_the_other_axis_extent_is_named():
+    """Program ids swapped: the first fault comes at the first program whose id on one axis
+    reaches the other axis's extent, every other id 0. Only that crisp pattern is reported."""
+    from course_lib.kernel_checks import _swapped_program_ids_note
+
+    note = _swapped_program_ids_note((2, 0), (3, 2))
+    assert "program_id(0) = 2 reaches the grid's extent along axis 1 (2)" in note, note
+    assert "(the two program ids swapped)" in note
+    assert "program_id(1) = 3" in _swapped_program_ids_note((0, 3), (3, 5))
+    for program, grid in (((2, 1), (3, 2)), ((1, 0), (3, 2)), ((0, 0), (1, 1)), ((2,), (3,)), ((2, 0), (3,))):
+        assert _swapped_program_ids_note(program, grid) == "", (program, grid)

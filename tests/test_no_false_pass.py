@@ -191,7 +191,9 @@ def _comparable(outputs) -> dict:
 
 
 def _chapter_param(name: str):
-    return pytest.param(name, id=name, marks=[getattr(pytest.mark, f"ch{name[:2]}")])
+    # its own xdist group: the 13 notebooks spread over the workers (conftest.py)
+    return pytest.param(name, id=name, marks=[getattr(pytest.mark, f"ch{name[:2]}"),
+                                              pytest.mark.xdist_group(f"notebooks/{name}")])
 
 
 @pytest.mark.slow

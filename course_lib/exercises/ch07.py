@@ -737,6 +737,26 @@ def _library_pair(dkdv, dq_kern) -> bool:
     return dkdv is backward.dkdv_kernel and dq_kern is backward.dq_kernel
 
 
+def _check_backward_shapes(q, k, v, o, lse, do) -> None:
+    """ValueError naming the argument of :func:`launch_backward` whose shape does not fit q's
+    ``(B, H, N_q, d)`` and k's ``(B, H, N_k, d)`` (and saying so when o and lse, or q and k,
+    look swapped: a call's arguments in the wrong order)."""
+    if q.dim() != 4:
+        raise ValueError(f"launch_backward: q must be (B, H, N_q, d), got shape {tuple(q.shape)}")
+    expected = {"k": (*q.shape[:2], k.shape[2] if k.dim() == 4 else -1, q.shape[3]), "v": tuple(k.shape),
+                "o": tuple(q.shape), "lse": tuple(q.shape[:3]), "do": tuple(q.shape)}
+    given = {"k": k, "v": v, "o": o, "lse": lse, "do": do}
+    for name, shape in expected.items():
+        if tuple(given[name].shape) != shape:
+            swapped = {"o": "lse", "lse": "o"}.get(name)
+            hint = (f" — it has the shape `{swapped}` should have: are `o` and `lse` passed in each other's "
+                    f"places? launch_backward takes (…, q, k, v, o, lse, do, …)"
+                    if swapped and tuple(given[swapped].shape) == shape and
+                    tuple(given[name].shape) == expected[swapped] else "")
+            raise ValueError(f"launch_backward: `{name}` has shape {tuple(given[name].shape)}, expected "
+                             f"{shape} from q {tuple(q.shape)} and k {tuple(k.shape)}{hint}")
+
+
 def launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal: bool, scale: float,
                     block_m: int = CHECK_BLOCK, block_n: int = CHECK_BLOCK,
                     dq=None, dk=None, dv=None):
@@ -754,6 +774,7 @@ def launch_backward(dkdv, dq_kern, q, k, v, o, lse, do, causal: bool, scale: flo
         ``preprocess_kernel``. In the interpreter every load and store is checked against these
         tensors before it happens (:func:`course_lib.kernel_checks.memory_guard`).
     """
+    _check_backward_shapes(q, k, v, o, lse, do)
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
