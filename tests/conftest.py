@@ -19,33 +19,27 @@ def pytest_configure(config):
     runtime.setup(verbose=False)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook has no order of its own)
 def pytest_collection_modifyitems(config, items):
     """Give every nbval item its chapter marker (from the notebook's file name), so that
     ``pytest -m ch03`` runs chapter 03's unit tests *and* both versions of its notebook.
 
-    For ``-n 2 --dist loadgroup`` (pyproject's addopts): every item not already in an
-    ``xdist_group`` joins its file's group (a notebook's cells, and a module's fixtures, stay in
-    one worker, as ``--dist loadfile`` would keep them; a test may name a finer group, as the
-    learner-notebook runs of test_no_false_pass.py do, one per notebook). Items run longest
-    first (browser and slow tests, then notebooks), so that at the end both workers are busy
-    with short files rather than one waiting for the other's long one."""
+    Then order the items longest first (browser and slow tests, then notebooks, then the rest;
+    stable, so a notebook's cells keep their order): ``-n 2 --dist loadfile`` (pyproject's
+    addopts) hands out files in this order, so both workers end on short files rather than one
+    waiting for the other's long one.
+    (``--dist loadgroup`` could split a file further, but xdist 3.8 marks a group by rewriting
+    ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads: every cell of a notebook
+    became its own unit of work.)"""
     for item in items:
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
             m = _CHAPTER_RE.match(path.name)
             if m:
                 item.add_marker(getattr(pytest.mark, f"ch{m.group(1)}"))
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_relative(path)))
-    items.sort(key=_expected_length)
-
-
-def _relative(path: Path) -> str:
-    try:
-        return str(path.relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    by_file: dict = {}
+    for item in items:  # a file is as long as its longest item; within a file the order stays
+        by_file[item.fspath] = min(by_file.get(item.fspath, 2), _expected_length(item))
+    items.sort(key=lambda item: by_file[item.fspath])
 
 
 def _expected_length(item) -> int:

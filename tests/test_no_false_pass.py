@@ -191,9 +191,7 @@ def _comparable(outputs) -> dict:
 
 
 def _chapter_param(name: str):
-    # its own xdist group: the 13 notebooks spread over the workers (conftest.py)
-    return pytest.param(name, id=name, marks=[getattr(pytest.mark, f"ch{name[:2]}"),
-                                              pytest.mark.xdist_group(f"notebooks/{name}")])
+    return pytest.param(name, id=name, marks=[getattr(pytest.mark, f"ch{name[:2]}")])
 
 
 @pytest.mark.slow
