@@ -302,7 +302,8 @@ class MemoryGuard:
                 f"{bad.size} of its {lanes.size} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
         where, why, evidence = self._locate(bad, lanes, write)
-        why += _swapped_program_ids_note(program, _grid_dims())
+        if bad.size == lanes.size:  # the whole tile is off, not a ragged edge a mask would cover
+            why += _swapped_program_ids_note(program, _grid_dims())
         raise MemoryViolation(f"{head}\n  first bad lane: {where}\n  {why}", op=op, write=write,
                               program=program, n_bad=int(bad.size), n_lanes=int(lanes.size),
                               **evidence)
@@ -467,7 +468,9 @@ def _swapped_program_ids_note(program: tuple, grid: tuple) -> str:
     """A line of evidence when the faulting program is the very first whose id along one axis
     reaches the grid's extent along another (every other id 0; programs run in order, so all
     before it ran clean): what a kernel reading one axis's index from the other's program_id
-    does first. Empty otherwise."""
+    does first. Empty otherwise. The caller asks only when every active lane of the access is
+    out of bounds (a tile whose base is off, as with swapped ids; a missing mask leaves the
+    tile's first lanes in bounds)."""
     if len(program) != len(grid):
         return ""
     for i, v in enumerate(program):

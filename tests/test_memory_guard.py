@@ -155,3 +155,32 @@ def test_the_first_program_past_the_other_axis_extent_is_named():
     assert "program_id(1) = 3" in _swapped_program_ids_note((0, 3), (3, 5))
     for program, grid in (((2, 1), (3, 2)), ((1, 0), (3, 2)), ((0, 0), (1, 1)), ((2,), (3,)), ((2, 0), (3,))):
         assert _swapped_program_ids_note(program, grid) == "", (program, grid)
+
+
+@triton.jit
+def heads_kernel(x_ptr, y_ptr, n, stride_h, BLOCK: tl.constexpr, SWAPPED: tl.constexpr):
+    """Copies (H, n) row by row in tiles; grid (tiles per row, H). SWAPPED reads each axis's
+    index from the other axis's program id."""
+    if SWAPPED:
+        tile, head = tl.program_id(1), tl.program_id(0)
+    else:
+        tile, head = tl.program_id(0), tl.program_id(1)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + head * stride_h + offs, mask=offs < n)
+    tl.store(y_ptr + head * stride_h + offs, x, mask=offs < n)
+
+
+def test_swapped_program_ids_are_named_and_a_ragged_edge_is_not():
+    """Grid (3 tiles, 2 heads): with the ids swapped, program (2, 0) is the first to fault, every
+    lane out of bounds (head 2 of 2) — the note says so; a kernel whose tile overruns only partly
+    (some lanes in bounds) gets no such note."""
+    x, y = torch.randn(2, 48), torch.empty(2, 48)
+    with pytest.raises(MemoryViolation) as info:
+        with memory_guard() as guard:
+            guard.allow("x", x)
+            guard.allow("y", y, write=True)
+            heads_kernel[(3, 2)](x, y, 48, x.stride(0), BLOCK=16, SWAPPED=True)
+    assert "program_id(0) = 2 reaches the grid's extent along axis 1 (2)" in str(info.value), str(info.value)
+    with pytest.raises(MemoryViolation) as info:
+        run_copy(torch.randn(40), torch.empty(45), masked=False)
+    assert "program ids swapped" not in str(info.value)
