@@ -997,8 +997,9 @@ def check_function(
                  f"  {first.problem}"]
         if "NaN/inf" in first.problem:
             headline = next(o for o in outcomes if o.n == first.n)
-            trace = trace_nonfinite(fn, first.case.args, first.case.kwargs or {},
-                                    headline.features.get("rows that see no key") is False)
+            no_empty_rows = (headline.features.get("rows that see no key") is False
+                             and not headline.features.get(diagnosis.EMPTY_CHUNK))
+            trace = trace_nonfinite(fn, first.case.args, first.case.kwargs or {}, no_empty_rows)
             if trace:
                 lines.append(f"  {trace}")
         lines += causes

@@ -197,6 +197,11 @@ def _scores(inputs: dict):
 _STATISTIC = re.compile(r"^(lse|m)(_\w+)?$")
 
 
+# A case feature: a split of the keys (flash-decoding's ``splits``) that holds no key, so its rows
+# see none there (a 0/0 or an all -inf max in that chunk is then the chunk's, not a slip's)
+EMPTY_CHUNK = "an empty chunk (a split with no key)"
+
+
 def derive_features(inputs: dict) -> dict:
     """What a case varies that a wrong answer may depend on, read from its inputs (argument
     name → value). Generic: dtypes, non-contiguous arrays, given options (``causal``, ``scale``,
@@ -250,6 +255,9 @@ def derive_features(inputs: dict) -> dict:
             feats[f"scores beyond ±{LARGE_VALUE:g}"] = bool(
                 np.abs(s).max(initial=0) > LARGE_VALUE)
             feats["rows that see no key"] = bool((~visible.any(axis=-1)).any())
+        splits = _int(inputs.get("splits"))
+        if splits and splits > 1:  # flash-decoding: the keys cut into `splits` chunks of ceil(N_k / splits)
+            feats[EMPTY_CHUNK] = (splits - 1) * -(-n_k // splits) >= n_k
     elif "cu_seqlens" in inputs and _is_array(inputs.get("q")) and _is_array(inputs.get("k")):
         q, k = inputs["q"], inputs["k"]
         if q.ndim == 3 and k.ndim == 3:

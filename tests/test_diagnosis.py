@@ -512,3 +512,13 @@ def test_a_small_factor_within_a_loose_tolerance_is_not_called_zeros():
     assert "all zeros" not in text and "times 0.00223" in text, text
     zeros = Outcome(1, {}, WRONG, np.zeros_like(want), want, (0.002, 0.125), {})
     assert "all zeros" in "\n".join(diagnosis.diagnose([zeros]))
+
+
+def test_an_empty_chunk_of_split_keys_is_a_feature_and_lifts_the_no_empty_row_claim():
+    """flash-decoding's `splits`: 5 keys in 4 chunks of 2 leave the last one empty (its rows see no
+    key there), 8 keys in 4 do not; the check then does not claim "no row is fully masked"."""
+    q, k = np.zeros((1, 1, 1, 16)), np.zeros((1, 1, 5, 16))
+    assert diagnosis.derive_features({"q": q, "k": k, "v": k, "splits": 4})[diagnosis.EMPTY_CHUNK] is True
+    k8 = np.zeros((1, 1, 8, 16))
+    assert diagnosis.derive_features({"q": q, "k": k8, "v": k8, "splits": 4})[diagnosis.EMPTY_CHUNK] is False
+    assert diagnosis.EMPTY_CHUNK not in diagnosis.derive_features({"q": q, "k": k8, "v": k8})
