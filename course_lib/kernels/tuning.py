@@ -184,14 +184,18 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
 # a GPU with less shared memory than an H100 or spills registers there (kernels/fit.py chooses,
 # `python -m course_lib.reach` shows the choice per GPU). Fewer pipeline stages first (same tiles,
 # one K/V tile pair less in flight), then smaller tiles. The owned tile (BLOCK_M of forward and dQ,
-# BLOCK_N of dK/dV) shrinks last: it sets how often K and V (or Q and dO) are re-read.
+# BLOCK_N of dK/dV) shrinks last: it sets how often K and V (or Q and dO) are re-read. Last, 8 warps
+# on small tiles: half the registers per thread (the fp32 masked backward at d = 32 and 64 spilled
+# 8 B on sm_80/86/89 with every 4-warp tile; with 8 warps, none; `reach --check`, 2026-11-27).
 _FALLBACKS = {
     "forward": [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(64, 32, 4, 2), Blocks(64, 32, 4, 1),
                 Blocks(32, 32, 4, 1)],
     "dkdv": [Blocks(64, 128, 8, 2), Blocks(32, 128, 4, 2), Blocks(32, 64, 4, 3), Blocks(32, 64, 4, 2),
-             Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1)],
+             Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1), Blocks(32, 32, 8, 1),
+             Blocks(16, 32, 8, 1)],
     "dq": [Blocks(128, 64, 8, 2), Blocks(128, 32, 4, 2), Blocks(64, 32, 4, 3), Blocks(64, 32, 4, 2),
-           Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1), Blocks(32, 16, 4, 1)],
+           Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1), Blocks(32, 16, 4, 1), Blocks(32, 32, 8, 1),
+           Blocks(32, 16, 8, 1)],
     "fused": [Blocks(64, 128, 8, 2), Blocks(64, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(32, 64, 4, 3),
               Blocks(32, 64, 4, 2), Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1)],
 }
