@@ -174,7 +174,8 @@ def _lengths_hint(a: str, b: str) -> str:
             f"index [None, :], in a mask or a tl.where condition too: a (BLOCK_M,) mask lines up with "
             f"the columns of a (BLOCK_M, HEAD_DIM) block), or it was made along the wrong axis (on a "
             f"(BLOCK_M, BLOCK_N) score tile tl.max/tl.sum with axis=1 give one value per row, axis=0 one "
-            f"per key column)")
+            f"per key column), or a tile loaded in the other shape (block sizes given in the other "
+            f"order: a pointer grid or a descriptor's block_shape of BLOCK_N rows where BLOCK_M belong)")
 
 
 def _runtime():

@@ -335,6 +335,7 @@ def test_a_row_max_over_the_wrong_axis_is_among_the_hints():
     text = kernel_checks.summarize_kernel_error(info.value)
     assert "a tile 32 long meets one 16 long" in text or "a tile 16 long meets one 32 long" in text, text
     assert "axis=0 one per key column" in text and "[:, None]" in text, text
+    assert "block_shape" in text  # the third way: a tile loaded in the other shape
 
 
 def _guarded(kernel, q, o, *args):
