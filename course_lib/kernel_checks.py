@@ -88,9 +88,10 @@ def is_not_done(exc: BaseException) -> bool:
 # (pattern in the error text, what it usually means) — or (pattern, hint, test of the learner's
 # source line): the same message comes from different statements (Triton reports a mask that
 # does not broadcast with the same words as a tl.dot of mismatched shapes)
-_BROADCAST_HINT = ("shapes do not broadcast: in a 2-D tile a row index needs [:, None] and a "
-                   "column index [None, :] — in a mask or a tl.where condition too (a (BLOCK_M,) "
-                   "mask lines up with the columns of a (BLOCK_M, HEAD_DIM) block, not its rows)")
+_AXIS_RULE = ("in a 2-D tile a row index needs [:, None] and a column index [None, :] — in a mask or "
+              "a tl.where condition too (a (BLOCK_M,) mask lines up with the columns of a "
+              "(BLOCK_M, HEAD_DIM) block, not its rows)")
+_BROADCAST_HINT = f"shapes do not broadcast: {_AXIS_RULE}"
 ERROR_HINTS = (
     ("must be same dtype",
      "tl.dot needs both operands in the same dtype: convert the fp32 probabilities first, "
@@ -170,9 +171,7 @@ def _lengths_hint(a: str, b: str) -> str:
     """The hint for two tiles of different lengths on one axis (Triton's "incompatible dimensions
     ... a and b"): the ways such lengths meet, none singled out (the error alone cannot tell)."""
     return (f"shapes do not broadcast: a tile {a} long meets one {b} long on the same axis. Either a "
-            f"1-D vector sits on the wrong axis (in a 2-D tile a row index needs [:, None] and a column "
-            f"index [None, :], in a mask or a tl.where condition too: a (BLOCK_M,) mask lines up with "
-            f"the columns of a (BLOCK_M, HEAD_DIM) block), or it was made along the wrong axis (on a "
+            f"1-D vector sits on the wrong axis ({_AXIS_RULE}), or it was made along the wrong axis (on a "
             f"(BLOCK_M, BLOCK_N) score tile tl.max/tl.sum with axis=1 give one value per row, axis=0 one "
             f"per key column), or a tile loaded in the other shape (block sizes given in the other "
             f"order: a pointer grid or a descriptor's block_shape of BLOCK_N rows where BLOCK_M belong)")
