@@ -152,14 +152,16 @@ def bubblewrap_args(bwrap: str, hidden: list[Path], private: Path,
     temporary = [Path(p) for p in ("/tmp", "/var/tmp", tempfile.gettempdir()) if Path(p).is_dir()]
     for tmp in dict.fromkeys(p.resolve() for p in temporary):
         args += ["--size", str(tmpfs_bytes), "--tmpfs", str(tmp)]
-    for path in dict.fromkeys(Path(p).resolve() for p in hidden):
-        if path.is_dir() and not _inside(private, path):
-            args += ["--size", str(HIDDEN_TMPFS_BYTES), "--tmpfs", str(path)]
     # what the notebook's Python needs that an empty /tmp would hide (a course or an environment
     # installed under /tmp), read-only again
     for needed in _needed_paths():
         if any(_inside(needed, t.resolve()) for t in temporary) and not _inside(needed, private):
             args += ["--ro-bind", str(needed), str(needed)]
+    # after those binds: a later mount covers an earlier one, so a course cloned under /tmp,
+    # bound again just above, must not bring its solutions/ and .git back into view
+    for path in dict.fromkeys(Path(p).resolve() for p in hidden):
+        if path.is_dir() and not _inside(private, path):
+            args += ["--size", str(HIDDEN_TMPFS_BYTES), "--tmpfs", str(path)]
     args += ["--bind", str(private), str(private)]  # the working folder is inside it
     for folder in readonly:
         args += ["--ro-bind", str(Path(folder).resolve()), str(Path(folder).resolve())]

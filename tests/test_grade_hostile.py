@@ -405,3 +405,22 @@ def test_a_learner_error_comes_back_with_its_line():
     assert frame.line.strip() == 'raise Mine("no such row") from exc'
     assert checks._short_error(rebuilt) == (f"Mine: no such row (line {frame.lineno}: "
                                             f"`raise Mine(\"no such row\") from exc`)")
+
+
+def test_a_course_cloned_under_tmp_keeps_its_solutions_hidden(tmp_path, monkeypatch):
+    """A clean clone under /tmp (as CI may make it): the course is bound again over the empty /tmp,
+    and the hidden folders' empty mounts must come after that bind, or it shows them again (a
+    clone in /tmp/x graded trudy's copy of the solutions as passed). Runs without bubblewrap:
+    it reads the command line."""
+    course = tmp_path / "course"
+    (course / "solutions").mkdir(parents=True)
+    (course / ".git").mkdir()
+    private = tmp_path / "private"
+    private.mkdir()
+    monkeypatch.setattr(sandbox, "_needed_paths", lambda: [course.resolve()])
+    args = sandbox.bubblewrap_args("bwrap", [course / "solutions", course / ".git"], private)
+    bind = args.index(str(course.resolve()))  # the --ro-bind of the course
+    assert args[bind - 1] == "--ro-bind"
+    for hidden in ("solutions", ".git"):
+        mount = args.index(str((course / hidden).resolve()))
+        assert args[mount - 1] == "--tmpfs" and mount > bind, args
