@@ -493,7 +493,7 @@ OVERHEAD_GRID = {"dtype": ("bfloat16", "float16"), "d": (64, 128), "N": (128, 51
 # The issue's shape: one sequence of 4 heads, where a call is almost all host work and launches.
 OVERHEAD_BATCH, OVERHEAD_HEADS = 1, 4
 OVERHEAD_CALLS = 200  # calls per timed loop
-OVERHEAD_ROUNDS = 7  # timed loops per implementation and cell, taken in turns; the fastest is kept
+OVERHEAD_ROUNDS = 11  # timed loops per implementation and cell, taken in turns; the fastest is kept
 # Issue 33's target: course at most 1.5x SDPA's FlashAttention-2 per call, forward and forward+backward.
 OVERHEAD_TARGET = 1.5
 OVERHEAD_ROW_KEYS = frozenset({"impl", "pass", "us_per_call", "dtype", "d", "N", "causal", "batch", "heads",
@@ -593,11 +593,13 @@ def measure_overhead(impl: str, *args, **kwargs) -> dict | None:
 
 def run_overhead(impls=OVERHEAD_IMPLS, dtypes=OVERHEAD_GRID["dtype"], head_dims=OVERHEAD_GRID["d"],
                  seq_lens=OVERHEAD_GRID["N"], causals=OVERHEAD_GRID["causal"], passes=PASSES,
-                 progress: bool = True, on_row=None, **kwargs) -> dict:
+                 progress: bool = True, on_row=None, warm_first: bool = True, **kwargs) -> dict:
     """:func:`measure_overhead_cell` for every cell and pass (the implementations of a cell take
     turns); returns ``{"meta", "rows"}`` (``meta``: :func:`machine_meta`, ``"timer": "eager"`` and
     ``"statistic"``). ``kwargs`` go to :func:`measure_overhead_cell`; ``on_row(data)`` is called
-    after each cell."""
+    after each cell. ``warm_first``: first call every implementation once in every cell, untimed,
+    so that no cell's loops share the machine with the next kernels' compiles (in one H100 run the
+    cells timed right after a new dtype's compiles cost 1.3-1.6x what they cost in the next run)."""
     from tqdm.auto import tqdm
 
     cells = [(dt, d, n, c, p) for dt in dtypes for d in head_dims for n in seq_lens for c in causals
@@ -605,6 +607,10 @@ def run_overhead(impls=OVERHEAD_IMPLS, dtypes=OVERHEAD_GRID["dtype"], head_dims=
     rounds = kwargs.get("rounds", OVERHEAD_ROUNDS)
     data = {"meta": {**machine_meta(), "timer": "eager",
                      "statistic": f"fastest of {rounds} loops, the implementations taking turns"}, "rows": []}
+    if warm_first:  # every cell once, untimed: each kernel compiles before any loop is timed
+        warm = {**kwargs, "rounds": 1, "calls": 1}
+        for dt, d, n, c, p in tqdm(cells, desc="warm-up", disable=not progress):
+            measure_overhead_cell(impls, dt, d, n, c, p, **warm)
     for dt, d, n, c, p in tqdm(cells, desc="per-call cost", disable=not progress):
         data["rows"] += measure_overhead_cell(impls, dt, d, n, c, p, **kwargs)
         if on_row is not None:

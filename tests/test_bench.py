@@ -283,7 +283,8 @@ def test_run_overhead_record_with_a_stand_in_timer(tmp_path):
         return next(times)
 
     data = bench.run_overhead(impls=("course", "sdpa_flash"), dtypes=("float32",), head_dims=(16,), seq_lens=(16, 32),
-                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1, rounds=3)
+                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1, rounds=3,
+                              warm_first=False)
     assert data["meta"]["timer"] == "eager" and "fastest of 3" in data["meta"]["statistic"]
     assert len(data["rows"]) == 2 * 2 * len(bench.PASSES) and len(calls) == 3 * len(data["rows"])
     assert {r["N"] for r in data["rows"]} == {16, 32}
@@ -293,6 +294,21 @@ def test_run_overhead_record_with_a_stand_in_timer(tmp_path):
     path = tmp_path / "toy_overhead.json"
     path.write_text(json.dumps(data))
     assert bench.load_overhead(path=path) == data
+
+
+def test_run_overhead_warms_every_cell_before_timing_any():
+    """The warm-up pass calls every implementation of every cell once (one call, one loop) before the
+    first timed loop, and only the timed loops make rows."""
+    calls = []
+
+    def timer(step, **kwargs):
+        calls.append(kwargs["calls"])
+        return 10.0
+
+    data = bench.run_overhead(impls=("course", "sdpa_flash"), dtypes=("float32",), head_dims=(16,), seq_lens=(16, 32),
+                              causals=(False,), progress=False, timer=timer, device="cpu", heads=1, rounds=2, calls=50)
+    cells = 2 * len(bench.PASSES)
+    assert calls == [1] * 2 * cells + [50] * 2 * 2 * cells and len(data["rows"]) == 2 * cells
 
 
 def test_overhead_reader_refuses_a_broken_record(tmp_path):

@@ -116,3 +116,56 @@ def test_handle_launch_passes_what_triton_passed():
             # the launcher's arguments: grid (3), stream, function, packed metadata, launch metadata,
             # 2 hooks, then the kernel's parameters in order, constexprs included
             assert a[:3] == b[:3] and a[9:] == b[9:], (name, a, b)
+
+
+class _Launcher36:
+    """A launcher shaped as Triton 3.6's ``CudaLauncher`` (its ``__call__`` copied), recording what
+    reaches its C ``launch``."""
+
+    def __init__(self, scratch: int = 0):
+        self.calls = []
+        self.launch = lambda *args: self.calls.append(args)
+        self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, 0, 1
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.global_scratch_align = self.profile_scratch_align = 1
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        def allocate_scratch(size, align, allocator):
+            return ("scratch", gridX * gridY * gridZ * self.num_ctas * size) if size > 0 else None
+
+        global_scratch = allocate_scratch(self.global_scratch_size, self.global_scratch_align, None)
+        profile_scratch = allocate_scratch(self.profile_scratch_size, self.profile_scratch_align, None)
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+def test_a_direct_launch_hands_the_c_launcher_what_tritons_call_would():
+    """Triton 3.6's launcher without scratch: the direct call passes the C launch the same arguments
+    as the launcher's ``__call__``; with scratch, or a launcher of another shape, no direct call."""
+    runner = _Launcher36()
+    c_launch, cooperative, pdl = launch._direct(runner)
+    args = (7, 3, 1, "stream", "function", "packed", None, "enter", "leave", "q_ptr", 64)
+    runner(*args)
+    c_launch(*args[:5], cooperative, pdl, None, None, *args[5:])
+    assert runner.calls[0] == runner.calls[1] and len(runner.calls[0]) == len(args) + 4
+    assert launch._direct(_Launcher36(scratch=16)) is None
+
+    class Moved(_Launcher36):  # Triton 3.7's shape: the metadata arguments named, args packed
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                     launch_enter_hook, launch_exit_hook, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, kernel_metadata, args)
+
+    assert launch._direct(Moved()) is None and launch._direct(lambda *a: None) is None
+
+
+def test_the_installed_tritons_launcher_is_recognised_only_in_the_shape_it_was_checked_in():
+    """The direct launch is taken for Triton 3.6's ``CudaLauncher`` (checked on an H100) and for no
+    other installed Triton's, whose launchers keep going through their own ``__call__``."""
+    import triton
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    runner = object.__new__(CudaLauncher)
+    runner.global_scratch_size = runner.profile_scratch_size = 0
+    runner.launch, runner.launch_cooperative_grid, runner.launch_pdl = print, 0, 0
+    expected = triton.__version__.startswith("3.6.")
+    assert (launch._direct(runner) is not None) == expected, triton.__version__

@@ -66,6 +66,10 @@ def no_launches():
         return lambda *args, **kwargs: None
 
     saved = [(cls, name, cls.__dict__[name]) for cls, name in ((InterpretedFunction, "run"), (CompiledKernel, "run"))]
+    from course_lib.kernels import plan
+
+    # the plans' launches keep the launcher they were made with (launch.py): make them again inside
+    plan.clear()
     InterpretedFunction.run = run
     CompiledKernel.run = property(launcher)
     try:
@@ -73,6 +77,7 @@ def no_launches():
     finally:
         for cls, name, original in saved:
             setattr(cls, name, original)
+        plan.clear()
 
 
 def bench_module():
@@ -110,6 +115,27 @@ def own_time_leaders(step, calls: int, top: int, grads=()) -> list[dict]:
     return rows[:top]
 
 
+def kineto_table(step, calls: int, grads=()) -> str:
+    """torch.profiler's table of ``calls`` calls (CPU and CUDA activity), sorted by device time: each
+    kernel's time on the GPU against the wall time of the whole loop."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+            for x in grads:
+                x.grad = None
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / calls * 1e6
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+    return f"  torch.profiler over {calls} calls ({wall:.1f} µs per call under the profiler):\n{table}"
+
+
 def _short(path: str) -> str:
     for marker in ("course_lib/", "triton/", "torch/"):
         if marker in path:
@@ -133,6 +159,11 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed loops; the fastest is reported")
     p.add_argument("--top", type=int, default=TOP, help="own-time leaders to print (0: none)")
     p.add_argument("--json", type=str, default=None, help="write the numbers here")
+    p.add_argument("--impl", default="course", choices=("course", "sdpa_flash", "sdpa_cudnn"),
+                   help="what to time: the library, or one of SDPA's backends (the yardstick's own host work)")
+    p.add_argument("--kineto", type=int, default=0, metavar="CALLS",
+                   help="GPU: also trace CALLS calls with torch.profiler and print the kernels' device time per "
+                        "call (is the GPU or the host the bottleneck?)")
     p.add_argument("--stand-in", type=int, default=None, metavar="ARCH",
                    help="CPU only: the GPU path, compiled for this compute capability (e.g. 90), launches "
                         "doing nothing (course_lib.reach's stand-in driver)")
@@ -164,7 +195,8 @@ def main(argv=None) -> dict:
     shape = tuple(int(x) for x in args.shape.split(","))
     launches = args.launches or ("real" if rt.on_gpu else "both")
     modes = ("noop", "real") if launches == "both" else (launches,)
-    print(f"{rt.describe()}\nshape {shape}, {dtype}, causal={bool(args.causal)}; python {sys.version.split()[0]}")
+    print(f"{rt.describe()}\n{args.impl}: shape {shape}, {dtype}, causal={bool(args.causal)}; "
+          f"python {sys.version.split()[0]}")
     sync = torch.cuda.synchronize if torch.cuda.is_available() and rt.on_gpu else None
     results = {"runtime": rt.describe(), "shape": shape, "dtype": str(dtype), "causal": bool(args.causal),
                "rows": []}
@@ -172,7 +204,7 @@ def main(argv=None) -> dict:
         calls = args.calls or (CALLS if mode == "noop" or rt.on_gpu else 20)
         for pass_ in args.passes:
             bench = bench_module()
-            q, k, v, _, step = bench._inputs_and_step("course", shape, dtype, rt.device, bool(args.causal),
+            q, k, v, _, step = bench._inputs_and_step(args.impl, shape, dtype, rt.device, bool(args.causal),
                                                       needs_grad=pass_ == "fwd+bwd")
             grads = (q, k, v) if pass_ == "fwd+bwd" else ()
             step()  # compile (GPU) and make what is kept per call signature, with real launches
@@ -186,6 +218,8 @@ def main(argv=None) -> dict:
             for r in leaders:
                 print(f"  {r['own_us']:8.1f} µs own  {r['cum_us']:8.1f} cum  {r['calls_per_step']:5.1f}x  "
                       f"{r['function']}")
+            if args.kineto and mode == "real" and rt.on_gpu:
+                print(kineto_table(step, args.kineto, grads))
             results["rows"].append({"launches": mode, "pass": pass_, "us_per_call": round(us, 1),
                                     "us_per_call_median": round(statistics.median(times), 1), "calls": calls,
                                     "leaders": leaders})

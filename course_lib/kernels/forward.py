@@ -214,14 +214,18 @@ class ForwardLaunch:
             self.candidates = tuning.gpu_candidates("forward", head_dim, self.work.itemsize, seq_len=max(n_q, n_k),
                                                     causal=causal)
         self.launch = None  # made at the first call: fitting the table's config needs real arguments
+        self.tail = None  # the strides and sizes the kernel takes, kept at the first call (cache=True)
 
     def __call__(self, q, k, v, scale: float):
         """``(o, lse)`` of :func:`attention_forward` for inputs of this signature."""
         qw, kw, vw = (q, k, v) if self.work == self.dtype else (x.to(self.work) for x in (q, k, v))
         o = torch.empty(self.o_shape, dtype=self.work, device=self.device)
         lse = torch.empty(self.lse_shape, device=self.device, dtype=self.lse_dtype)
-        args = (qw, kw, vw, o, lse, *qw.stride(), *kw.stride(), *vw.stride(), *o.stride(), *self.sizes,
-                scale * LOG2_E_FLOAT)
+        tail = self.tail
+        if tail is None:  # the strides are part of the call signature: kept for later calls (cache=True)
+            tail = (*qw.stride(), *kw.stride(), *vw.stride(), *o.stride(), *self.sizes)
+            self.tail = tail if self.cache else None
+        args = (qw, kw, vw, o, lse, *tail, scale * LOG2_E_FLOAT)
         (self.launch or self._make_launch(args))(*args)
         return (o if self.work == self.dtype else o.to(self.dtype)), lse
 

@@ -109,6 +109,10 @@ def _launcher(compiled, grid: tuple):
         # ~3 µs less per launch in the H100 profile; still read per launch (torch.cuda.set_device)
         get_device = torch._C._cuda_getDevice
 
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    direct = _direct(run)  # (C launch, cooperative, pdl) for Triton 3.6's launcher, else None
+    c_launch, cooperative, pdl = direct or (None, None, None)
+
     def launch(*args):
         device = get_device()
         stream = get_stream(device)
@@ -116,10 +120,43 @@ def _launcher(compiled, grid: tuple):
         # a HookChain (Triton 3.6+) is empty unless a profiler hooked in; older Tritons: None or a hook
         hooked = getattr(enter, "calls", enter)
         metadata = compiled.launch_metadata(grid, stream, *args) if hooked else None
-        compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter,
+        if c_launch is not None:  # what run() would do, without its Python frame (no scratch to allocate)
+            c_launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, packed, metadata, enter,
                      leave, *args)
+        else:
+            run(grid_x, grid_y, grid_z, stream, function, packed, metadata, enter, leave, *args)
 
     return launch
+
+
+# The parameters of Triton 3.6's CudaLauncher.__call__ and what its body reads: a launcher whose
+# __call__ has exactly these takes the direct call of _direct.
+_DIRECT_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function")
+_DIRECT_NAMES = {"launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size"}
+
+
+def _direct(runner):
+    """``(launch, cooperative, pdl)``: what ``runner(gridX, gridY, gridZ, stream, function, *args)``
+    calls, for a caller to call it directly; or None.
+
+    Triton's ``CudaLauncher.__call__`` (3.6) allocates the kernel's global and profiling scratch when
+    it has any, then calls its C extension's ``launch(gridX, gridY, gridZ, stream, function,
+    cooperative, pdl, global_scratch, profile_scratch, *args)``. A kernel without scratch (the
+    course's kernels: no device-side descriptors, no ``tl.device_print``) needs none of that Python
+    per launch: the two flags are fixed at compile time and both pointers are None. Taken only for a
+    launcher whose ``__call__`` has 3.6's parameters and reads what this copies (Triton 3.7 moved the
+    metadata arguments: its launchers, the interpreter's and the stand-in's go through ``runner``).
+    On an H100 host ``CudaLauncher.__call__`` took 13 µs of cProfile's own time per 4 launches
+    (tools/profile_overhead.py, torch 2.11, triton 3.6, 2026-11-27).
+    """
+    call = getattr(type(runner), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if (code is None or code.co_varnames[:code.co_argcount] != _DIRECT_PARAMS or not code.co_flags & 0x04
+            or not _DIRECT_NAMES <= set(code.co_names)):
+        return None
+    if getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+        return None
+    return runner.launch, runner.launch_cooperative_grid, runner.launch_pdl
 
 
 def rebased(template, base):
