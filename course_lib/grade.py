@@ -100,8 +100,6 @@ NOT_ISOLATED = {
     "4.4": _WATCHED, "4.5": _WATCHED, "7.4": _WATCHED,
     "6.1": _DEVICE_HELPERS, "6.2": _DEVICE_HELPERS, "6.3": _DEVICE_HELPERS,
     "6.4": _DEVICE_HELPERS,
-    "7.6": "the answer is a torch.autograd.Function class, run through autograd",
-    "11.2": "the check passes a function (the block attention) to yours",
     "12.1": "transformers calls your adapter with its own module objects",
     "12.2": "your function returns a custom operator (code), not data",
 }

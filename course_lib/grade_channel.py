@@ -14,7 +14,9 @@ calls anything named by the data (no pickle). It carries ``None``, ``bool``, ``i
 ``complex``, ``str``, ``bytes``, tuples, lists, dicts, slices, NumPy arrays and scalars of
 numeric dtypes (with their strides), torch tensors (their whole storage, so views keep their
 strides, offsets and the margins around them; tensors that share a storage still share it),
-torch dtypes, devices and sizes. Anything else the learner's code returns arrives as an
+torch dtypes, devices and sizes, and — from the grader only — a function of the course's library,
+by its name (a check hands 11.2's answer the library's ``attend``: the notebook's process looks it
+up in its own copy of the library). Anything else the learner's code returns arrives as an
 :class:`Opaque` stand-in (a wrong answer, never code).
 """
 
@@ -146,6 +148,9 @@ class _Encoder:
         if isinstance(x, slice):
             return {"t": "slice", "items": [self.value(e, depth + 1)
                                             for e in (x.start, x.stop, x.step)]}
+        if self.strict and library_function_name(x) is not None:  # the grader's side only
+            module, name = library_function_name(x)
+            return {"t": "libfn", "module": module, "name": name}
         if self.strict:
             raise ChannelError(f"a {type(x).__module__}.{type(x).__qualname__} is not data")
         return {"t": "opaque", "type": f"{type(x).__module__}.{type(x).__qualname__}"[:200],
@@ -217,8 +222,8 @@ def encode(value: Any, *, strict: bool = True) -> bytes:
 
 
 class _Decoder:
-    def __init__(self, data: bytes, body: int, buffers: list):
-        self.data, self.body = data, body
+    def __init__(self, data: bytes, body: int, buffers: list, library_functions: bool = False):
+        self.data, self.body, self.library_functions = data, body, library_functions
         if not isinstance(buffers, list):
             raise ChannelError("malformed message: no buffer table")
         self.spans = []
@@ -304,6 +309,8 @@ class _Decoder:
             return self.torch().device(_text(node.get("name"), 40))
         if kind == "opaque":
             return Opaque(_text(node.get("type"), 200), bool(node.get("callable")))
+        if kind == "libfn" and self.library_functions:
+            return resolve_library_function(node.get("module"), node.get("name"))
         raise ChannelError(f"malformed message: an unknown kind of node {kind[:40]!r}")
 
     def torch(self):
@@ -383,9 +390,14 @@ def _numeric_dtype(text: Any) -> np.dtype:
     return np.dtype(text)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, *, library_functions: bool = False) -> Any:
     """The value in a message made by :func:`encode`; raises :class:`ChannelError` when the
-    bytes are not one (nothing named by the data is imported or called)."""
+    bytes are not one (nothing named by the data is imported or called).
+
+    ``library_functions``: True only in the notebook's process, decoding the grader's requests: a
+    function of the course's library the check passes (11.2's ``attend``) arrives by name and is
+    looked up there (:func:`resolve_library_function`). The grader decodes the learner's answers
+    with False: a name of a function is then malformed data, never looked up."""
     if len(data) < HEADER.size or len(data) > MAX_MESSAGE_BYTES:
         raise ChannelError("not a message: too short or too long")
     magic, n = HEADER.unpack_from(data)
@@ -398,16 +410,16 @@ def decode(data: bytes) -> Any:
     if not isinstance(head, dict) or "value" not in head:
         raise ChannelError("not a message: no value")
     try:
-        return _Decoder(data, HEADER.size + n, head.get("buffers")).value(head["value"])
+        return _Decoder(data, HEADER.size + n, head.get("buffers"), library_functions).value(head["value"])
     except RecursionError:
         raise ChannelError("malformed message: nested too deeply") from None
     except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
         raise ChannelError(f"malformed message: {type(exc).__name__}") from None
 
 
-def read_message(path: Path) -> Any:
+def read_message(path: Path, *, library_functions: bool = False) -> Any:
     """Decode the message in the file ``path``: a regular file (not a link, a pipe or a device)
-    of at most :data:`MAX_MESSAGE_BYTES`."""
+    of at most :data:`MAX_MESSAGE_BYTES` (``library_functions``: as :func:`decode`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -428,7 +440,38 @@ def read_message(path: Path) -> Any:
             left -= len(chunk)
     finally:
         os.close(fd)
-    return decode(b"".join(chunks))
+    return decode(b"".join(chunks), library_functions=library_functions)
+
+
+LIBRARY_PACKAGE = "course_lib"
+MODULE_NAME = re.compile(r"^course_lib(\.[a-z_][a-z0-9_]{0,60}){0,4}$")
+
+
+def library_function_name(x: Any) -> tuple[str, str] | None:
+    """``(module, name)`` when ``x`` is a plain function defined at the top level of a module of
+    the course's library (found again by that name), else None: what the grader may send by name."""
+    if not inspect.isfunction(x):
+        return None
+    module, name = getattr(x, "__module__", None) or "", getattr(x, "__qualname__", "")
+    if not (MODULE_NAME.match(module) and IDENTIFIER.match(name)):
+        return None
+    return (module, name) if getattr(sys.modules.get(module), name, None) is x else None
+
+
+def resolve_library_function(module: Any, name: Any):
+    """The library function ``module.name`` (:func:`library_function_name`), in this process."""
+    import importlib
+
+    if not (isinstance(module, str) and MODULE_NAME.match(module) and isinstance(name, str)
+            and IDENTIFIER.match(name)):
+        raise ChannelError("malformed message: a bad library function name")
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        raise ChannelError(f"malformed message: no library module {module}") from None
+    if not inspect.isfunction(found):
+        raise ChannelError(f"malformed message: {module}.{name} is not a library function")
+    return found
 
 
 def write_message(path: Path, value: Any, *, strict: bool = True) -> None:
@@ -471,7 +514,8 @@ def describe_exception(exc: BaseException) -> list[dict]:
 
 # Exceptions of the course whose type a check tests (isinstance), rebuilt as themselves.
 _COURSE_EXCEPTIONS = {("course_lib.kernel_checks", "MemoryViolation"),
-                      ("course_lib.kernel_checks", "KernelProblem")}
+                      ("course_lib.kernel_checks", "KernelProblem"),
+                      ("course_lib.exercises.ch07", "_Diagnosed")}  # 7.6's named glue mistakes
 _learner_types: dict[str, type] = {}
 
 
@@ -480,8 +524,8 @@ def _exception_type(entry: dict) -> type:
 
     name, module = str(entry.get("type")), str(entry.get("module"))
     if (module, name) in _COURSE_EXCEPTIONS:
-        from course_lib import kernel_checks
-        return getattr(kernel_checks, name)
+        import importlib
+        return getattr(importlib.import_module(module), name)
     found = getattr(builtins, name, None) if entry.get("builtin") else None
     if isinstance(found, type) and issubclass(found, BaseException) and \
             found not in (GeneratorExit, StopIteration, StopAsyncIteration):
@@ -623,7 +667,7 @@ def serve(request_path: str) -> None:
         write_message(reply, answer, strict=False)
         return
     target = _SNAPSHOT[key][request["name"]]
-    grid, args, kwargs, allow, errstate = read_message(Path(request["input"]))
+    grid, args, kwargs, allow, errstate = read_message(Path(request["input"]), library_functions=True)
     printed = _Bounded()
     result, error = None, None
     try:
@@ -631,6 +675,8 @@ def serve(request_path: str) -> None:
                 np.errstate(**errstate):
             if op == "call":
                 result = target(*args, **kwargs)
+            elif op == "with":  # a library function of the check's, run here on the answer
+                result = _run_with(target, args, kwargs)
             else:
                 result = _launch(target, grid, args, kwargs, allow)
     except BaseException as exc:  # noqa: BLE001 - the learner's error goes back as data
@@ -638,6 +684,14 @@ def serve(request_path: str) -> None:
     answer = {"result": result, "error": error, "args": args, "kwargs": kwargs,
               "printed": printed.text()}
     write_message(reply, answer, strict=False)
+
+
+def _run_with(target, args: list, kwargs: dict):
+    """``args[0](target, *args[1:], **kwargs)``, where ``args[0]`` is a function of the course's
+    library (it arrived by name, :func:`resolve_library_function`): what :func:`run_with` asks for."""
+    if not args or library_function_name(args[0]) is None:
+        raise TypeError("the grader asked to run something that is not a library function")
+    return args[0](target, *args[1:], **kwargs)
 
 
 def _launch(kernel, grid, args, kwargs, allow):
@@ -893,13 +947,31 @@ class KernelProxy(_Proxy):
 
 class OtherProxy(_Proxy):
     """Stands in for an answer that is neither data, a function nor a kernel (a class, ...):
-    any use of it means the exercise cannot be graded outside the notebook."""
+    using it means the exercise cannot be graded outside the notebook, except through
+    :func:`run_with` (a library function run on it in the notebook's process)."""
 
-    def __init__(self, session: Session, type_name: str):
+    def __init__(self, session: Session, type_name: str, key: str = "", name: str = ""):
         self._session, self._what = session, f"the answer (a {type_name})"
+        self._key, self._name = key, name
 
     def __call__(self, *args, **kwargs):
         return self._refuse(f"{self._what} cannot cross to the grader")
+
+
+def run_with(answer: Any, fn: Callable, *args, **kwargs) -> Any:
+    """``fn(answer, *args, **kwargs)``, where ``fn`` is a top-level function of the course's library
+    (:func:`library_function_name`). In the learner's own process (a check cell) that is the call
+    itself; in the grader's, where ``answer`` is a proxy, ``fn`` is sent by name and run on the
+    learner's object in the notebook's process, and only its result (data) comes back: how a check
+    uses an answer that is not data (7.6's ``autograd.Function`` class, run through autograd)."""
+    if not isinstance(answer, _Proxy):
+        return fn(answer, *args, **kwargs)
+    if library_function_name(fn) is None:
+        return answer._refuse(f"the check runs {getattr(fn, '__qualname__', fn)!r} on {answer._what}, "
+                              f"which is not a library function the grader can send")
+    session = answer._session
+    answer_ = session.call("with", answer._key, answer._name, None, (fn, *args), kwargs)
+    return _answer(session, answer_, (None, *args), kwargs)
 
 
 def _guard_allowances(args: tuple) -> list:
@@ -952,4 +1024,4 @@ def proxy_for(session: Session, key: str, name: str, description: dict, values: 
         return FunctionProxy(session, key, name, description)
     if kind == "kernel":
         return KernelProxy(session, key, name, description)
-    return OtherProxy(session, str(description.get("type", "object"))[:100])
+    return OtherProxy(session, str(description.get("type", "object"))[:100], key, name)

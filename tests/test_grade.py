@@ -391,3 +391,84 @@ def test_the_class_demo_builds_its_class(tmp_path):
         nb = nbformat.read(str(tmp_path / learner / demo.SOLUTION.name), as_version=4)
         changed = [c.source for c in nb.cells] != [c.source for c in solution.cells]
         assert changed == (statuses != (demo.DONE,) * 3), learner
+
+
+@pytest.mark.ch11
+def test_an_answer_handed_a_library_function_is_graded_outside_the_notebook(tmp_path):
+    """11.2's check hands the learner's loop the library's ``attend``: the grader sends it by name,
+    the notebook's process looks it up, and the exercise is graded in the grader's process (not
+    "not isolated"): the solution passes, a loop that attends the wrong shard is wrong with the
+    check's diagnosis."""
+    sol = nbformat.read(str(nbgen.ROOT / "solutions" / "11_ring_attention.ipynb"), as_version=4)
+    keep = [i for i, cell in enumerate(sol.cells) if cell.cell_type == "code" and (
+        "import course_lib" in cell.source or "runtime.setup()" in cell.source
+        or "# Exercise 11." in cell.source or "ch11.check_" in cell.source)]
+    for learner, change in (("alice", None), ("bob", ("(r - step) % world", "(r + step) % world"))):
+        nb = nbformat.v4.new_notebook(cells=[sol.cells[i] for i in keep])
+        if change:
+            cell = nb.cells[next(i for i, c in enumerate(nb.cells) if "# Exercise 11.2:" in c.source)]
+            assert change[0] in cell.source
+            cell.source = cell.source.replace(*change)
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        nbformat.write(nb, str(tmp_path / "sub" / f"{learner}__11_ring_attention.ipynb"))
+    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--isolation", "none", "--jobs", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {(r["learner"], r["exercise"]): r for r in _rows(tmp_path / "out")}
+    assert rows["alice", "11.2"]["status"] == "passed", rows["alice", "11.2"]
+    assert rows["alice", "11.1"]["status"] == "passed"
+    wrong = rows["bob", "11.2"]
+    assert wrong["status"] == "wrong" and "the plan it computes disagree" in wrong["message"], wrong
+    assert not any(r["message"].startswith(grade.NOT_ISOLATED_MARK) for r in rows.values())
+
+
+def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
+    """A top-level function of course_lib crosses as its name and is looked up only where the
+    reader allows it (the notebook's process); any other function is not data; a name that
+    arrives at the grader, or names something outside the library, is refused."""
+    from course_lib import grade_channel as gc
+    from course_lib.exercises import ch11
+
+    message = gc.encode((1, ch11._attend))
+    assert gc.decode(message, library_functions=True)[1] is ch11._attend
+    with pytest.raises(gc.ChannelError, match="unknown kind"):
+        gc.decode(message)  # the grader's side never looks a name up
+    with pytest.raises(gc.ChannelError, match="is not data"):
+        gc.encode(lambda q: q)  # a function of the test's, not the library's
+    assert isinstance(gc.decode(gc.encode(ch11._attend, strict=False)), gc.Opaque)  # the notebook's side
+    forged = message.replace(b"course_lib.exercises.ch11", b"course_lib.exercises.os__")
+    with pytest.raises(gc.ChannelError):
+        gc.decode(forged, library_functions=True)
+    with pytest.raises(gc.ChannelError, match="bad library function name"):
+        gc.resolve_library_function("os", "system")
+
+
+@pytest.mark.ch07
+def test_a_class_answer_runs_through_a_library_function_in_the_notebook(tmp_path):
+    """7.6's answer is an ``autograd.Function`` class: the grader sends ``ch07.run_function`` (and
+    the tiny LM's training) by name, the notebook's process runs them on the class, and only
+    numbers come back. The solution passes, gradients returned in the wrong order are wrong with
+    the check's cause, the untouched stub is not done; none of the rows is "not isolated"."""
+    sol = nbformat.read(str(nbgen.ROOT / "solutions" / "07_backward.ipynb"), as_version=4)
+    learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "07_backward.ipynb"), as_version=4)
+    prelude = nbformat.v4.new_code_cell(
+        "import torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
+        "from course_lib.exercises import ch07\n"
+        "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
+    check = sol.cells[_check_cell_of(sol, "7.6")]
+    answers = {"alice": sol.cells[_cell_of(sol, "7.6")].source,
+               "bob": sol.cells[_cell_of(sol, "7.6")].source.replace("return dq, dk, dv, None, None",
+                                                                     "return dk, dq, dv, None, None"),
+               "carol": next(c.source for c in learner.cells if c.cell_type == "code"
+                             and "# Exercise 7.6:" in c.source)}
+    assert answers["bob"] != answers["alice"]
+    (tmp_path / "sub").mkdir()
+    for name, source in answers.items():
+        nb = nbformat.v4.new_notebook(cells=[prelude, nbformat.v4.new_code_cell(source), check])
+        nbformat.write(nb, str(tmp_path / "sub" / f"{name}__07_backward.ipynb"))
+    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--isolation", "none", "--jobs", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["learner"]: r for r in _rows(tmp_path / "out") if r["exercise"] == "7.6"}
+    assert rows["alice"]["status"] == "passed", rows["alice"]
+    assert rows["bob"]["status"] == "wrong" and "wrong order" in rows["bob"]["message"], rows["bob"]
+    assert rows["carol"]["status"] == "not done", rows["carol"]
+    assert not any(r["message"].startswith(grade.NOT_ISOLATED_MARK) for r in rows.values())

@@ -44,7 +44,7 @@ import warnings
 import numpy as np
 
 from course_lib.checks import learner_check
-from course_lib import checks, runtime
+from course_lib import checks, grade_channel, runtime
 from course_lib import tiled_backward as tb
 from course_lib.checks import (Case, ExerciseFailed, _default_tolerance, check_function, compare,
                                describe_value, to_numpy64)
@@ -1191,6 +1191,14 @@ def _train_losses(attention):
                         batch_size=FUNCTION_TRAIN["batch_size"], dataset=data)
 
 
+def train_losses_with_function(fn_cls) -> list[float]:
+    """The tiny LM's losses (:data:`FUNCTION_TRAIN`) with ``fn_cls.apply`` as its causal attention."""
+    def attention(q, k, v):  # (B, H, T, d) -> (B, H, T, d), causal, as tinylm expects
+        return fn_cls.apply(q, k, v, True, default_scale(q.shape[-1]))
+
+    return [float(x) for x in _train_losses(attention)]
+
+
 @learner_check
 def check_autograd_function(fn_cls):
     """Exercise 7.6: check the learner's ``torch.autograd.Function`` (``apply(q, k, v, causal,
@@ -1202,8 +1210,8 @@ def check_autograd_function(fn_cls):
 
     exercise = "Exercise 7.6"
 
-    def run(q, k, v, do, causal, scale):
-        return run_function(fn_cls, q, k, v, do, causal, scale)
+    def run(q, k, v, do, causal, scale):  # in the notebook's process when the grader runs it
+        return grade_channel.run_with(fn_cls, run_function, q, k, v, do, causal, scale)
 
     cases = function_cases()
     chosen = _check_gradients(exercise, run, function_reference, cases,
@@ -1213,13 +1221,10 @@ def check_autograd_function(fn_cls):
     if chosen is FlashAttentionFunction:
         return checks.not_done(exercise, chosen)
 
-    def attention(q, k, v):  # (B, H, T, d) -> (B, H, T, d), causal, as tinylm expects
-        return fn_cls.apply(q, k, v, True, default_scale(q.shape[-1]))
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            ours = _train_losses(attention)
+            ours = grade_channel.run_with(fn_cls, train_losses_with_function)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback wall
         raise ExerciseFailed(f"✗ {exercise}: training the tiny LM with your Function failed: "
                              f"{kernel_checks.summarize_kernel_error(exc)}") from None
