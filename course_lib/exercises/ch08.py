@@ -24,6 +24,7 @@ workspace (:func:`combine_reference`), its mistakes modelled by :func:`merged_ou
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -215,8 +216,21 @@ def _cache_cases() -> list[Case]:
 def check_kv_cache_bytes(fn):
     """Check exercise 8.1, ``kv_cache_bytes(layers, n_heads, n_kv_heads, head_dim, seq_len,
     batch, bytes_per_element) -> int``; return the function to continue with."""
+    cases = _cache_cases()
+    try:
+        first = fn(*cases[0].args)
+    except Exception:  # noqa: BLE001 - not done yet, or broken: check_function says which
+        first = None
+    if (isinstance(first, numbers.Real) and not isinstance(first, (numbers.Integral, bool))
+            and callable(fn)):
+        right = cache_bytes_reference(*cases[0].args)
+        raise checks.failed_with("Exercise 8.1", (
+            f"✗ Exercise 8.1: kv_cache_bytes returned {first!r} ({type(first).__name__}) on case 1 "
+            f"of {len(cases)} — {cases[0].label}; a size in bytes is a whole number, an int "
+            f"({right:,} here): multiply integers only (no `/`, which gives a float even when it "
+            f"divides exactly, and no float factors such as 2.0 or 0.5)"))
     return check_function("Exercise 8.1", fn, reference=cache_bytes_reference,
-                          cases=_cache_cases(), mistakes=CACHE_MISTAKES, tolerance=(0.5, 0.0))
+                          cases=cases, mistakes=CACHE_MISTAKES, tolerance=(0.5, 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
