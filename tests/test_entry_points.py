@@ -92,8 +92,14 @@ def _run(code: str, interpret_env: str | None, timeout: int = 300):
                               timeout=timeout)
 
 
-@pytest.mark.parametrize("interpret_env", [None, "0", "1"], ids=["unset", "exported=0", "exported=1"])
-@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+# Each import order once, each with one value of TRITON_INTERPRET, every value with more than one
+# order (a fresh process costs ~5 s of make test's 2 cores; all 15 pairs cost 75 s).
+ORDER_ENVS = [("course_lib only", None), ("triton first", "0"), ("kernel module directly", "1"),
+              ("checks first", "0"), ("setup first (notebooks)", "1"), ("course_lib only", "1")]
+
+
+@pytest.mark.parametrize("order, interpret_env", ORDER_ENVS,
+                         ids=[f"{o}-{'unset' if e is None else 'exported=' + e}" for o, e in ORDER_ENVS])
 def test_entry_points_from_a_fresh_process(order, interpret_env):
     code = IMPORT_ORDERS[order] + "\n" + textwrap.dedent(ENTRY_POINTS)
     out = _run(code, interpret_env)
@@ -143,6 +149,10 @@ def test_redecorating_is_idempotent_and_complete():
              or any(type(c.cell_contents) is wrong for c in getattr(value, "__closure__", None) or ())]
     assert left == []
     assert tl.max is tl.standard.max  # one object per function
+
+
+def test_every_import_order_and_interpreter_setting_is_covered():
+    assert {o for o, _ in ORDER_ENVS} == set(IMPORT_ORDERS) and {e for _, e in ORDER_ENVS} == {None, "0", "1"}
 
 
 def test_member_functions_work_after_the_switch():

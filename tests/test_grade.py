@@ -393,32 +393,49 @@ def test_the_class_demo_builds_its_class(tmp_path):
         assert changed == (statuses != (demo.DONE,) * 3), learner
 
 
+def _reduced(solution: str, keep) -> list:
+    """The code cells of a solution notebook that ``keep(source)`` selects."""
+    nb = nbformat.read(str(nbgen.ROOT / "solutions" / solution), as_version=4)
+    return [cell for cell in nb.cells if cell.cell_type == "code" and keep(cell.source)]
+
+
+@pytest.mark.ch07
 @pytest.mark.ch11
-def test_an_answer_handed_a_library_function_is_graded_outside_the_notebook(tmp_path):
-    """11.2's check hands the learner's loop the library's ``attend``: the grader sends it by name,
-    the notebook's process looks it up, and the exercise is graded in the grader's process (not
-    "not isolated"): the solution passes, a loop that attends the wrong shard is wrong with the
-    check's diagnosis."""
-    sol = nbformat.read(str(nbgen.ROOT / "solutions" / "11_ring_attention.ipynb"), as_version=4)
-    keep = [i for i, cell in enumerate(sol.cells) if cell.cell_type == "code" and (
-        "import course_lib" in cell.source or "runtime.setup()" in cell.source
-        or "# Exercise 11." in cell.source or "ch11.check_" in cell.source)]
-    for learner, change in (("alice", None), ("bob", ("(r - step) % world", "(r + step) % world"))):
-        nb = nbformat.v4.new_notebook(cells=[sol.cells[i] for i in keep])
-        if change:
-            cell = nb.cells[next(i for i, c in enumerate(nb.cells) if "# Exercise 11.2:" in c.source)]
-            assert change[0] in cell.source
-            cell.source = cell.source.replace(*change)
-        (tmp_path / "sub").mkdir(exist_ok=True)
-        nbformat.write(nb, str(tmp_path / "sub" / f"{learner}__11_ring_attention.ipynb"))
+def test_answers_used_through_library_functions_are_graded_outside_the_notebook(tmp_path):
+    """11.2's check hands the learner's loop the library's ``attend``; 7.6's answer is an
+    ``autograd.Function`` class, which the check runs through ``ch07.run_function`` and the tiny
+    LM's training. The grader sends those library functions by name, the notebook's process looks
+    them up and runs them, and only numbers come back: the exercises are graded in the grader's
+    process (no row "not isolated"). The solutions pass; a loop that attends the wrong shard and
+    gradients returned in the wrong order are wrong, with the checks' causes."""
+    ring = _reduced("11_ring_attention.ipynb", lambda src: "import course_lib" in src or "runtime.setup()" in src
+                    or "# Exercise 11." in src or "ch11.check_" in src)
+    prelude = nbformat.v4.new_code_cell(
+        "import torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
+        "from course_lib.exercises import ch07\n"
+        "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
+    glue = _reduced("07_backward.ipynb", lambda src: "# Exercise 7.6:" in src or "ch07.check_autograd_function(" in src)
+    changes = {"11": ("(r - step) % world", "(r + step) % world"),
+               "07": ("return dq, dk, dv, None, None", "return dk, dq, dv, None, None")}
+    (tmp_path / "sub").mkdir()
+    for chapter, cells, name in (("11", ring, "11_ring_attention"), ("07", [prelude, *glue], "07_backward")):
+        for learner in ("alice", "bob"):
+            nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
+            if learner == "bob":
+                old, new = changes[chapter]
+                cell = next(c for c in nb.cells if old in c.source)
+                cell.source = cell.source.replace(old, new)
+            nbformat.write(nb, str(tmp_path / "sub" / f"{learner}__{name}.ipynb"))
     run = _run_grader(tmp_path / "sub", tmp_path / "out", "--isolation", "none", "--jobs", "2")
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {(r["learner"], r["exercise"]): r for r in _rows(tmp_path / "out")}
-    assert rows["alice", "11.2"]["status"] == "passed", rows["alice", "11.2"]
-    assert rows["alice", "11.1"]["status"] == "passed"
-    wrong = rows["bob", "11.2"]
-    assert wrong["status"] == "wrong" and "the plan it computes disagree" in wrong["message"], wrong
-    assert not any(r["message"].startswith(grade.NOT_ISOLATED_MARK) for r in rows.values())
+    for ex in ("11.1", "11.2", "7.6"):
+        assert rows["alice", ex]["status"] == "passed", rows["alice", ex]
+    assert rows["bob", "11.2"]["status"] == "wrong", rows["bob", "11.2"]
+    assert "the plan it computes disagree" in rows["bob", "11.2"]["message"]
+    assert rows["bob", "7.6"]["status"] == "wrong" and "wrong order" in rows["bob", "7.6"]["message"], rows["bob", "7.6"]
+    assert not any(rows[who, ex]["message"].startswith(grade.NOT_ISOLATED_MARK)
+                   for who in ("alice", "bob") for ex in ("11.1", "11.2", "7.6"))
 
 
 def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
@@ -440,35 +457,3 @@ def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
         gc.decode(forged, library_functions=True)
     with pytest.raises(gc.ChannelError, match="bad library function name"):
         gc.resolve_library_function("os", "system")
-
-
-@pytest.mark.ch07
-def test_a_class_answer_runs_through_a_library_function_in_the_notebook(tmp_path):
-    """7.6's answer is an ``autograd.Function`` class: the grader sends ``ch07.run_function`` (and
-    the tiny LM's training) by name, the notebook's process runs them on the class, and only
-    numbers come back. The solution passes, gradients returned in the wrong order are wrong with
-    the check's cause, the untouched stub is not done; none of the rows is "not isolated"."""
-    sol = nbformat.read(str(nbgen.ROOT / "solutions" / "07_backward.ipynb"), as_version=4)
-    learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "07_backward.ipynb"), as_version=4)
-    prelude = nbformat.v4.new_code_cell(
-        "import torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
-        "from course_lib.exercises import ch07\n"
-        "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
-    check = sol.cells[_check_cell_of(sol, "7.6")]
-    answers = {"alice": sol.cells[_cell_of(sol, "7.6")].source,
-               "bob": sol.cells[_cell_of(sol, "7.6")].source.replace("return dq, dk, dv, None, None",
-                                                                     "return dk, dq, dv, None, None"),
-               "carol": next(c.source for c in learner.cells if c.cell_type == "code"
-                             and "# Exercise 7.6:" in c.source)}
-    assert answers["bob"] != answers["alice"]
-    (tmp_path / "sub").mkdir()
-    for name, source in answers.items():
-        nb = nbformat.v4.new_notebook(cells=[prelude, nbformat.v4.new_code_cell(source), check])
-        nbformat.write(nb, str(tmp_path / "sub" / f"{name}__07_backward.ipynb"))
-    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--isolation", "none", "--jobs", "2")
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = {r["learner"]: r for r in _rows(tmp_path / "out") if r["exercise"] == "7.6"}
-    assert rows["alice"]["status"] == "passed", rows["alice"]
-    assert rows["bob"]["status"] == "wrong" and "wrong order" in rows["bob"]["message"], rows["bob"]
-    assert rows["carol"]["status"] == "not done", rows["carol"]
-    assert not any(r["message"].startswith(grade.NOT_ISOLATED_MARK) for r in rows.values())
