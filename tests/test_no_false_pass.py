@@ -21,6 +21,8 @@ import pytest
 from course_lib import checks, softmax
 from course_lib.checks import ExerciseFailed
 
+import test_without_triton as without_triton_module
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.stem for p in (Path(__file__).parents[1] / "course_lib" / "exercises").glob("ch[0-9][0-9].py"))
 CHECK_CELL = re.compile(r"\bch\d\d\.check_\w+\(")
@@ -196,7 +198,7 @@ def _chapter_param(name: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [_chapter_param(n) for n in LEARNER_NOTEBOOKS])
-def test_learner_notebook_runs_and_rerunning_a_check_cell_never_passes(name):
+def test_learner_notebook_runs_and_rerunning_a_check_cell_never_passes(name, tmp_path):
     """Run the learner notebook top to bottom in a real kernel, as ``pytest --nbval-lax`` would
     (this test is ``make test``'s run of ``notebooks/``: nbval runs ``solutions/``): no cell raises
     unless marked to, cells marked ``# NBVAL_CHECK_OUTPUT`` print what is stored, ``# NBVAL_SKIP``
@@ -212,7 +214,11 @@ def test_learner_notebook_runs_and_rerunning_a_check_cell_never_passes(name):
     client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
     seen, unexpected, differ = [], [], []
-    with client.setup_kernel():
+    # The NumPy chapters run as on macOS and Windows, where PyPI has no triton (test_without_triton):
+    # one run of each proves both (the browser tests run them with triton, in JupyterLab)
+    without_triton = name in without_triton_module.RUN_HERE_WITHOUT_TRITON
+    env = {"env": without_triton_module.environment_without_triton(tmp_path)} if without_triton else {}
+    with client.setup_kernel(**env):
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
                 continue
@@ -238,6 +244,9 @@ def test_learner_notebook_runs_and_rerunning_a_check_cell_never_passes(name):
             seen.append(index)
     assert not unexpected, "\n".join(unexpected)
     assert not differ, "outputs of # NBVAL_CHECK_OUTPUT cells changed:\n" + "\n".join(differ)
+    if without_triton:  # the set-up line says why the Triton chapters need Linux or WSL2
+        setup = next(c for c in nb.cells if c.cell_type == "code" and "runtime.setup()" in c.source)
+        assert "CPU mode without Triton" in _text(setup), _text(setup)
     if _notebook_has_checks(name):
         assert seen, f"{name}: no check cell said 'not done yet' in the learner notebook"
 

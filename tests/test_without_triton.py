@@ -1,8 +1,9 @@
 """macOS and Windows: PyPI has no triton wheel there, so the course installs without it
 (pyproject.toml's platform marker). Chapters 00-04 (NumPy and torch) must run all the same, and
 the set-up line must say why the Triton chapters need Linux or WSL2. Here triton is hidden from a
-fresh Python (an import hook in sitecustomize.py, as if it were not installed) and the learner
-notebooks 00-04 run top to bottom, stubs and all."""
+fresh Python (an import hook in sitecustomize.py, as if it were not installed); the learner
+notebooks 00-04 run top to bottom so, stubs and all, in tests/test_no_false_pass.py (its one run
+of every learner notebook)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,24 @@ sys.meta_path.insert(0, _NoTriton())
 '''
 
 
+def environment_without_triton(folder: Path) -> dict:
+    """This process's environment with triton hidden from any Python started with it (a
+    sitecustomize.py in ``folder``)."""
+    (folder / "sitecustomize.py").write_text(HIDE_TRITON)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT)]))
+
+
+# The learner notebooks that must run without triton. tests/test_no_false_pass.py runs 01-04 so
+# (its one run of every learner notebook) and asserts the set-up line; chapter 00, whose Triton
+# smoke test prints another line without triton (an output nbval compares), runs below.
+NUMPY_CHAPTERS = sorted(p.stem for p in (ROOT / "notebooks").glob("0[0-4]_*.ipynb"))
+RUN_HERE = NUMPY_CHAPTERS[:1]
+RUN_HERE_WITHOUT_TRITON = NUMPY_CHAPTERS[1:]
+
+
 @pytest.fixture(scope="module")
 def env_without_triton(tmp_path_factory):
-    site = tmp_path_factory.mktemp("no_triton")
-    (site / "sitecustomize.py").write_text(HIDE_TRITON)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    return environment_without_triton(tmp_path_factory.mktemp("no_triton"))
 
 
 def test_setup_says_why_and_the_numpy_chapters_import(env_without_triton):
@@ -54,7 +68,15 @@ def test_setup_says_why_and_the_numpy_chapters_import(env_without_triton):
     assert "mode interpreter" in done.stdout
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "notebooks").glob("0[0-4]_*.ipynb")))
+def test_the_numpy_chapters_are_run_without_triton():
+    """Every NumPy chapter runs without triton, here or in test_no_false_pass.py."""
+    import test_no_false_pass
+
+    assert RUN_HERE == ["00_setup_and_roadmap"] and len(NUMPY_CHAPTERS) == 5
+    assert set(RUN_HERE_WITHOUT_TRITON) <= set(test_no_false_pass.LEARNER_NOTEBOOKS)
+
+
+@pytest.mark.parametrize("name", RUN_HERE)
 def test_numpy_chapters_run_without_triton(name, env_without_triton):
     import nbformat
     from nbclient import NotebookClient
@@ -67,3 +89,4 @@ def test_numpy_chapters_run_without_triton(name, env_without_triton):
     setup = next(c for c in nb.cells if c.cell_type == "code" and "runtime.setup()" in c.source)
     first = "".join(o.get("text", "") for o in setup.outputs)
     assert "CPU mode without Triton" in first
+
