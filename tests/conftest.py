@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,10 +24,10 @@ def pytest_collection_modifyitems(config, items):
     """Give every nbval item its chapter marker (from the notebook's file name), so that
     ``pytest -m ch03`` runs chapter 03's unit tests *and* both versions of its notebook.
 
-    Then order the items longest first (browser and slow tests, then notebooks, then the rest;
-    stable, so a notebook's cells keep their order): ``-n 2 --dist loadfile`` (pyproject's
-    addopts) hands out files in this order, so both workers end on short files rather than one
-    waiting for the other's long one.
+    Then order the files longest first, by the seconds each took in a recorded run
+    (tests/durations.json; stable, so a notebook's cells keep their order): ``-n 2 --dist
+    loadfile`` (pyproject's addopts) hands out files in this order, so both workers end on short
+    files rather than one waiting for the other's long one.
     (``--dist loadgroup`` could split a file further, but xdist 3.8 marks a group by rewriting
     ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads: every cell of a notebook
     became its own unit of work.)"""
@@ -38,15 +39,28 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, f"ch{m.group(1)}"))
     by_file: dict = {}
     for item in items:  # a file is as long as its longest item; within a file the order stays
-        by_file[item.fspath] = min(by_file.get(item.fspath, 2), _expected_length(item))
-    items.sort(key=lambda item: by_file[item.fspath])
+        by_file[item.fspath] = max(by_file.get(item.fspath, 0), _expected_seconds(item))
+    items.sort(key=lambda item: -by_file[item.fspath])
 
 
-def _expected_length(item) -> int:
-    """0 for the long items (a real browser, or marked slow), 1 for notebook cells, 2 for the rest."""
+# Seconds each file took in a make test run on the 2-core machine (tests/durations.json; refresh
+# it with `python tools/test_durations.py` from a run with --durations=0 when files grow).
+_DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())
+
+
+def _expected_seconds(item) -> float:
+    """The file's recorded seconds; a file not recorded yet: 60 for the long items (a real browser,
+    or marked slow), 10 for a notebook, 2 for the rest."""
+    path = Path(str(item.fspath))
+    try:
+        recorded = _DURATIONS.get(path.relative_to(ROOT).as_posix())
+    except ValueError:
+        recorded = None
+    if recorded is not None:
+        return recorded
     if item.get_closest_marker("browser") or item.get_closest_marker("slow"):
-        return 0
-    return 1 if Path(str(item.fspath)).suffix == ".ipynb" else 2
+        return 60
+    return 10 if path.suffix == ".ipynb" else 2
 
 
 def _gpu_mode() -> bool:
