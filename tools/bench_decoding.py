@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     report = {
         "what": "split-KV decoding: flash_decode_triton vs SDPA(enable_gqa), fp16",
         "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
-        "bandwidth_definition": "bytes of K+V read once / median time (triton.testing.do_bench)",
+        "bandwidth_definition": "bytes of K+V read once / mean time (triton.testing.do_bench, return_mode='mean', its default)",
         "copy_ceiling_bytes_per_s": ceiling,
         "copy_ceiling_definition": f"dst.copy_(src) of {COPY_CEILING_BYTES} bytes, read + write",
         "provenance": {"gpu": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
