@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                     warmup=args.warmup)
     meta = {**machine_meta(), "transformers": transformers.__version__,
             "model": describe_model(size, args.tokens_per_step),
-            "timer": (f"wall clock of {args.steps} training steps between torch.cuda.synchronize() "
-                      f"calls, after {args.warmup} warm-up steps; peak = "
+            "timer": (f"{model_bench.timer_note(args.steps, args.warmup)}; peak = "
                       f"torch.cuda.max_memory_allocated over the timed steps"),
             "size": model_bench.size_dict(size)}
     if args.merge and args.out.exists():
