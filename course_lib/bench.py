@@ -598,8 +598,7 @@ def run_overhead(impls=OVERHEAD_IMPLS, dtypes=OVERHEAD_GRID["dtype"], head_dims=
     turns); returns ``{"meta", "rows"}`` (``meta``: :func:`machine_meta`, ``"timer": "eager"`` and
     ``"statistic"``). ``kwargs`` go to :func:`measure_overhead_cell`; ``on_row(data)`` is called
     after each cell. ``warm_first``: first call every implementation once in every cell, untimed,
-    so that no cell's loops share the machine with the next kernels' compiles (in one H100 run the
-    cells timed right after a new dtype's compiles cost 1.3-1.6x what they cost in the next run)."""
+    so that every kernel is compiled and loaded before the first timed loop."""
     from tqdm.auto import tqdm
 
     cells = [(dt, d, n, c, p) for dt in dtypes for d in head_dims for n in seq_lens for c in causals

@@ -148,9 +148,9 @@ class _Encoder:
         if isinstance(x, slice):
             return {"t": "slice", "items": [self.value(e, depth + 1)
                                             for e in (x.start, x.stop, x.step)]}
-        if self.strict and library_function_name(x) is not None:  # the grader's side only
-            module, name = library_function_name(x)
-            return {"t": "libfn", "module": module, "name": name}
+        named = library_function_name(x) if self.strict else None  # the grader's side only
+        if named is not None:
+            return {"t": "libfn", "module": named[0], "name": named[1]}
         if self.strict:
             raise ChannelError(f"a {type(x).__module__}.{type(x).__qualname__} is not data")
         return {"t": "opaque", "type": f"{type(x).__module__}.{type(x).__qualname__}"[:200],
@@ -443,7 +443,6 @@ def read_message(path: Path, *, library_functions: bool = False) -> Any:
     return decode(b"".join(chunks), library_functions=library_functions)
 
 
-LIBRARY_PACKAGE = "course_lib"
 MODULE_NAME = re.compile(r"^course_lib(\.[a-z_][a-z0-9_]{0,60}){0,4}$")
 
 
