@@ -1041,8 +1041,9 @@ def toggle_experiments(outcomes: Sequence, first: "CaseRun", fn: Callable, refer
     if headline is None:
         return results
     names = _argument_names(len(first.case.args), reference, fn)
-    for feature, value in diagnosis.separating(outcomes):
-        changed = diagnosis.toggle(feature, headline.inputs) if value is True else None
+    for feature, value in diagnosis.separating(outcomes, absences=True):
+        changed = (diagnosis.toggle(feature, headline.inputs) if value is True else
+                   diagnosis.toggle(feature, headline.inputs, on=True) if value is False else None)
         if changed is None:
             continue
         args = tuple(changed.get(name, arg) for name, arg in zip(names, first.case.args))

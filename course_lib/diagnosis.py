@@ -258,6 +258,15 @@ def derive_features(inputs: dict) -> dict:
         splits = _int(inputs.get("splits"))
         if splits and splits > 1:  # flash-decoding: the keys cut into `splits` chunks of ceil(N_k / splits)
             feats[EMPTY_CHUNK] = (splits - 1) * -(-n_k // splits) >= n_k
+    elif _matmul_k(inputs) is not None:
+        k, block_k = _matmul_k(inputs)
+        feats["more than one step over K"] = k > block_k
+        feats["a ragged last step over K (K not a multiple of BLOCK_K)"] = k % block_k != 0
+        for axis, name in ((0, "block_m"), (1, "block_n")):
+            block = _int(inputs.get(name))
+            n = (inputs["a"].shape[0], inputs["b"].shape[1])[axis]
+            if block:
+                feats[f"a ragged last {'row' if axis == 0 else 'column'} tile"] = n % block != 0
     elif "cu_seqlens" in inputs and _is_array(inputs.get("q")) and _is_array(inputs.get("k")):
         q, k = inputs["q"], inputs["k"]
         if q.ndim == 3 and k.ndim == 3:
@@ -344,11 +353,14 @@ def _phrase(feature: str, value: Any) -> str:
 _ABSENT = object()
 
 
-def separating(outcomes: Sequence[Outcome]) -> list[tuple[str, Any]]:
+def separating(outcomes: Sequence[Outcome], absences: bool = False) -> list[tuple[str, Any]]:
     """``(feature, value)`` for each feature that every failing case has (with that value) and
     no right case has: present features (True) and categories (a dtype), not absences — that a
     case *lacks* something rarely makes it fail, and with a handful of cases an absence
-    separates by chance. A category whose value is a number needs two failing cases."""
+    separates by chance. A category whose value is a number needs two failing cases.
+    ``absences=True`` adds the absences an experiment can switch on (:data:`_ON`: causal off
+    on every failing case and on on every right one), for :func:`toggle` to test: such an
+    absence is evidence only when the experiment says it is."""
     bad = [o for o in outcomes if o.status != RIGHT]
     good = [o for o in outcomes if o.status == RIGHT]
     if not bad or not good:
@@ -360,7 +372,9 @@ def separating(outcomes: Sequence[Outcome]) -> list[tuple[str, Any]]:
         if len(values) != 1:
             continue
         value = bad[0].features.get(feature, _ABSENT)
-        if value is _ABSENT or value is None or value is False or value is np.False_:
+        if value is _ABSENT or value is None:
+            continue
+        if (value is False or value is np.False_) and not (absences and feature in _ON):
             continue
         if len(bad) == 1 and not isinstance(value, (bool, np.bool_, str)):
             continue  # one failing case has a number of its own by chance: no evidence
@@ -375,11 +389,19 @@ def separating_features(outcomes: Sequence[Outcome]) -> list[str]:
     return [_phrase(f, v) for f, v in separating(outcomes)]
 
 
-def toggle(feature: str, inputs: dict) -> dict | None:
+def toggle(feature: str, inputs: dict, on: bool = False) -> dict | None:
     """The inputs of a case with ``feature`` switched off, where that is a change of the inputs
     that keeps the rest of the case (an experiment: does the case pass without it?): the scale
     set to 1/√d, causal off, a non-contiguous input made contiguous, one head (or one batch
-    element) kept. None for any other feature."""
+    element) kept, one step over K (BLOCK_K raised to cover K). With ``on``, switched on where
+    that is an option of the case (:data:`_ON`: causal on). None for any other feature."""
+    if on:
+        if feature == "a causal mask" and inputs.get("causal") is False:
+            return {**inputs, "causal": True}
+        return None
+    if feature == "more than one step over K" and _matmul_k(inputs) is not None:
+        k, block_k = _matmul_k(inputs)
+        return {**inputs, "block_k": max(16, 1 << (k - 1).bit_length())}
     shapes = attention_shapes(inputs)
     if feature == "a scale other than 1/√d" and shapes is not None:
         return {**inputs, "scale": shapes["d"] ** -0.5}
@@ -407,6 +429,20 @@ def toggle(feature: str, inputs: dict) -> dict | None:
     return None
 
 
+# Absences an experiment can switch on, and how the message says the switch.
+_ON = {"a causal mask": "causal=True"}
+
+
+def _matmul_k(inputs: dict) -> tuple[int, int] | None:
+    """``(K, BLOCK_K)`` of a tiled matrix product's case (inputs ``a`` (M, K), ``b`` (K, N) and
+    ``block_k``), else None."""
+    a, b, block_k = inputs.get("a"), inputs.get("b"), _int(inputs.get("block_k"))
+    if not (_is_array(a) and _is_array(b) and block_k) or a.ndim != 2 or b.ndim != 2 or \
+            a.shape[1] != b.shape[0]:
+        return None
+    return int(a.shape[1]), block_k
+
+
 def _key(value: Any) -> Any:
     return bool(value) if isinstance(value, (bool, np.bool_)) else value
 
@@ -424,6 +460,14 @@ def _contrast(outcomes, first, names, experiments) -> list[str]:
     if not good:
         return []
     found = separating(outcomes)
+    switched_on = [f for f, v in separating(outcomes, absences=True)
+                   if v is False and experiments.get(f)]
+    if switched_on and not any(experiments.get(f) for f, _ in found):
+        feature = switched_on[0]
+        return [f"{verb} exactly on the case{'s' if len(bad) > 1 else ''} "
+                f"{_phrase(feature, False)} (case{'s' if len(bad) > 1 else ''} {_numbers(bad)}); "
+                f"right on every other case, and case {first.n} passes when only that is "
+                f"changed ({_ON[feature]})"]
     tested = [f for f, _ in found if experiments.get(f)]
     if not tested and any(experiments.get(f) is False for f, _ in found):
         return []  # a feature that sets them apart did not matter alone: nothing singled out
@@ -449,6 +493,7 @@ def _contrast(outcomes, first, names, experiments) -> list[str]:
 
 _OFF = {"a scale other than 1/√d": "the scale set to 1/√d",
         "a causal mask": "causal=False",
+        "more than one step over K": "BLOCK_K raised to cover K in one step",
         "several heads": "only its first head kept",
         "several batch elements": "only its first batch element kept"}
 
@@ -471,8 +516,23 @@ def _part_status(got, want, names, tolerance) -> dict[str, bool | None]:
         if g64 is None or w64 is None or g64.shape != w64.shape:
             status[label] = None
             continue
-        status[label] = bool(_close(g64, w64, *tolerance).all())
+        # an integer output (a count, an index) handed back as floats is not right, whatever
+        # its values: the headline says so, and "right on every failing case" must not
+        status[label] = (_kind(g) == _kind(w) or _kind(w) != "i") and bool(
+            _close(g64, w64, *tolerance).all())
     return status
+
+
+def _kind(x: Any) -> str:
+    """"i" for integers (Python, NumPy or torch), "f" for floating point, "b" for booleans."""
+    if isinstance(x, (bool, np.bool_)):
+        return "b"
+    if isinstance(x, (int, np.integer)):
+        return "i"
+    if is_tensor(x):
+        return "b" if x.dtype == sys.modules["torch"].bool else "f" if x.is_floating_point() else "i"
+    kind = np.asarray(x).dtype.kind
+    return "i" if kind in "iu" else kind
 
 
 def _parts_right(outcomes, first, names) -> list[str]:
@@ -672,8 +732,31 @@ def _factor(g: np.ndarray, w: np.ndarray, atol: float, rtol: float) -> float | N
     return c
 
 
+def _rounded_to(g: np.ndarray, w: np.ndarray) -> str | None:
+    """The lower precision (float16, bfloat16) that ``w`` rounded to gives exactly ``g``, when
+    ``g`` differs from ``w`` by that rounding only; else None."""
+    torch = sys.modules.get("torch")
+    finite = np.isfinite(w)
+    if not finite.any() or np.array_equal(g, w):
+        return None
+    candidates = [("float16", lambda x: x.astype(np.float16).astype(np.float64))]
+    if torch is not None:
+        candidates.append(("bfloat16", lambda x: torch.from_numpy(x).to(torch.bfloat16).double().numpy()))
+    for name, rounded in candidates:
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = rounded(w)
+        if np.array_equal(g[finite], r[finite]):
+            return name
+    return None
+
+
 def _transform_of(o: Outcome, label: str, g: np.ndarray, w: np.ndarray) -> str | None:
     atol, rtol = o.tolerance
+    low = _rounded_to(g, w)
+    if low is not None:
+        return (f"{label} is exactly the right values rounded to {low}: the answer passes "
+                f"through {low} on the way (a cast, or a {low} buffer) where the output keeps "
+                f"full precision")
     c = _factor(g, w, atol, rtol)
     if c is not None and abs(c) < MIN_ROW_FACTOR and np.all(np.abs(g[np.isfinite(g)]) <= atol):
         return f"{label} is all zeros"  # zeros indeed, not a small factor within a loose rtol (fp8)
@@ -788,14 +871,120 @@ def _transforms(outcomes, first, names) -> list[str]:
         where = ("on every failing case" if others and len(same) == len(others) else
                  f"on case {first.n}" + (f" (and {_numbers(same)})" if same else ""))
         lines.append(f"{where}, {text}")
-    if not lines:  # another shape: the right one transposed?
+    if not lines:  # another shape: what the wrong shape is made of
         for label, g, w in _shape_mismatches(first, names):
-            if g.ndim >= 2 and g.shape == np.swapaxes(w, -1, -2).shape and \
-                    np.isclose(g, np.swapaxes(w, -1, -2), atol=first.tolerance[0],
-                               rtol=first.tolerance[1], equal_nan=True).all():
-                lines.append(f"on case {first.n}, {label} is the right one transposed (shape "
-                             f"{g.shape} for {w.shape})")
+            text = _shape_story(label, g, w, first)
+            if text:
+                lines.append(f"on case {first.n}, {text}")
+    if not lines:  # floats where integers belong: what the float values are
+        lines += [f"on case {first.n}, {text}" for text in _float_for_int(first, names)]
     return lines[:2]
+
+
+def _float_for_int(o: Outcome, names) -> list[str]:
+    """Integer outputs (counts, indices) handed back as floats, said with what their values
+    are: the right integers as floats, or the right ones before rounding down (a true division
+    ``/`` where ``//`` belongs)."""
+    got_map = dict(parts(o.got, names)) if isinstance(o.want, (tuple, list)) else \
+        {"the output": o.got}
+    found = []
+    for label, w in parts(o.want, names):
+        g = got_map.get(label)
+        if g is None or _kind(w) != "i" or _kind(g) != "f":
+            continue
+        g64, w64 = _as64(g), _as64(w)
+        if g64 is None or w64 is None or g64.shape != w64.shape:
+            continue
+        with np.errstate(invalid="ignore"):
+            if np.array_equal(g64, w64):
+                found.append(f"{label} holds the right values as floats ({_dtype_of_any(g)}): "
+                             f"integers are expected (a float crept in: a `/`, a float constant "
+                             f"or an array made without an integer dtype)")
+            elif np.array_equal(np.floor(g64), w64):
+                found.append(f"{label} holds the right integers before rounding down (e.g. "
+                             f"{_example_fraction(g64, w64)}): a true division `/` where the "
+                             f"floor division `//` belongs")
+    return found
+
+
+def _dtype_of_any(x: Any) -> str:
+    return _dtype_of(x) if _is_array(x) else type(x).__name__
+
+
+def _example_fraction(g: np.ndarray, w: np.ndarray) -> str:
+    diff = np.flatnonzero(g.ravel() != w.ravel())
+    i = int(diff[0]) if diff.size else 0
+    return f"{g.ravel()[i]:g} for {w.ravel()[i]:g}"
+
+
+def _shape_story(label: str, g: np.ndarray, w: np.ndarray, o: Outcome) -> str | None:
+    """What a wrong shape is, read from the right output and the case's sizes: the right
+    values transposed, or with an axis of size 1 added or dropped; or each axis of another
+    length that is a size of the inputs (an axis of another input dim, a tile count rounded
+    down, a length cut to a multiple of the tile)."""
+    atol, rtol = o.tolerance
+    if g.ndim >= 2 and g.shape == np.swapaxes(w, -1, -2).shape and g.shape != w.shape and \
+            np.isclose(g, np.swapaxes(w, -1, -2), atol=atol, rtol=rtol, equal_nan=True).all():
+        return f"{label} is the right one transposed (shape {g.shape} for {w.shape})"
+    if g.size == w.size and g.ndim != w.ndim and \
+            tuple(n for n in g.shape if n != 1) == tuple(n for n in w.shape if n != 1):
+        same = bool(np.isclose(g.reshape(w.shape), w, atol=atol, rtol=rtol, equal_nan=True).all())
+        how = ("an axis of size 1 too many" if g.ndim > w.ndim else
+               "an axis of size 1 missing (keepdims=True, keepdim=True or [..., None] keeps it)")
+        return (f"{label} has shape {g.shape} for {w.shape}: {how}"
+                + ("; its values are right" if same else ""))
+    if g.ndim != w.ndim:
+        return None
+    sizes = _input_sizes(o.inputs)
+    said = []
+    for axis, (got_n, want_n) in enumerate(zip(g.shape, w.shape)):
+        if got_n == want_n:
+            continue
+        story = _axis_story(got_n, want_n, sizes, o.inputs)
+        if story is None:
+            return None  # one axis unexplained: say nothing rather than half a story
+        said.append(f"axis {axis} has {got_n} where {want_n} is expected: {story}")
+    return f"{label} {'; '.join(said)}" if said else None
+
+
+def _input_sizes(inputs: dict) -> dict[str, int]:
+    """``{"axis a of `x`": n}`` for every array input's axes, and ``{"`name`": n}`` for every
+    integer input."""
+    sizes = {}
+    for name, x in inputs.items():
+        if _is_array(x):
+            for a, n in enumerate(x.shape):
+                sizes[f"axis {a} of `{name}`"] = int(n)
+        elif _int(x) is not None:
+            sizes[f"`{name}`"] = _int(x)
+    return sizes
+
+
+def _axis_story(got_n: int, want_n: int, sizes: dict[str, int], inputs: dict) -> str | None:
+    """Why an axis has ``got_n`` elements where ``want_n`` are expected, from the inputs'
+    sizes; None when no single relation explains it."""
+    tiles = {k: n for k, n in sizes.items() if k.startswith("`") and n > 1}
+    for tile_name, b in tiles.items():
+        for name, n in sizes.items():
+            if name == tile_name or n <= b or n % b == 0:
+                continue
+            if got_n == n // b and want_n == -(-n // b):
+                return (f"{got_n} = {n} // {b} ({name} over {tile_name}) rounds down; the "
+                        f"ragged last tile needs ceil({n} / {b}) = {want_n}")
+            if got_n == n - n % b and want_n == n:
+                return (f"{got_n} = {n} cut to a multiple of {tile_name}={b}: the last, "
+                        f"shorter tile of {n % b} is dropped")
+    # another axis of the same input: an operation (a sum, a max, a product) over the wrong axis
+    for name, x in inputs.items():
+        if not _is_array(x):
+            continue
+        axes_got = [a for a, n in enumerate(x.shape) if n == got_n]
+        axes_want = [a for a, n in enumerate(x.shape) if n == want_n]
+        if len(axes_got) == 1 and len(axes_want) == 1:
+            return (f"{got_n} is the length of axis {axes_got[0]} of `{name}`, {want_n} that of "
+                    f"its axis {axes_want[0]}: an operation that keeps axis {axes_got[0]} where "
+                    f"axis {axes_want[0]} should stay (a sum or max over the wrong axis?)")
+    return None
 
 
 def _same_transform(a: str | None, b: str) -> bool:

@@ -523,3 +523,72 @@ def test_an_empty_chunk_of_split_keys_is_a_feature_and_lifts_the_no_empty_row_cl
     k8 = np.zeros((1, 1, 8, 16))
     assert diagnosis.derive_features({"q": q, "k": k8, "v": k8, "splits": 4})[diagnosis.EMPTY_CHUNK] is False
     assert diagnosis.EMPTY_CHUNK not in diagnosis.derive_features({"q": q, "k": k8, "v": k8})
+
+
+# ----------------------------------------------------------------------------------------------
+# wrong shapes and dtypes told from the case's sizes; rounding; absences an experiment switches on
+
+
+def test_a_wrong_shape_is_told_from_the_case_sizes():
+    """Each story only where the numbers fit it: an axis of size 1 missing (values right), a tile
+    count rounded down, a length cut to whole tiles, another axis of the same input."""
+    rng = np.random.default_rng(3)
+    want = rng.standard_normal((2, 3, 1))
+    text = evidence([outcome(1, WRONG, got=want[..., 0], want=want)])
+    assert "an axis of size 1 missing (keepdims=True" in text and "its values are right" in text
+    mask = np.ones((37, 37), dtype=bool)
+    text = evidence([outcome(1, WRONG, got=np.zeros((3, 4)), want=np.zeros((3, 5)),
+                             inputs={"mask": mask, "block_n": 8})])
+    assert "4 = 37 // 8" in text and "ceil(37 / 8) = 5" in text, text
+    x = rng.standard_normal((40, 16))
+    text = evidence([outcome(1, WRONG, got=np.zeros((32, 16)), want=np.zeros((40, 16)),
+                             inputs={"x": x, "block": 16})])
+    assert "32 = 40 cut to a multiple of `block`=16: the last, shorter tile of 8 is dropped" in text
+    o = rng.standard_normal((37, 24))
+    text = evidence([outcome(1, WRONG, got=np.zeros(24), want=np.zeros(37), inputs={"o": o})])
+    assert "24 is the length of axis 1 of `o`, 37 that of its axis 0" in text, text
+    # sizes that no input explains: nothing said
+    assert evidence([outcome(1, WRONG, got=np.zeros(5), want=np.zeros(7), inputs={"o": o})]) == ""
+
+
+def test_floats_where_integers_belong_are_told_with_what_they_hold():
+    want = np.array([0, 0, 1, 1, 2, 2])
+    same = evidence([outcome(1, WRONG, got=want.astype(np.float64), want=want)])
+    assert "holds the right values as floats" in same
+    divided = evidence([outcome(1, WRONG, got=np.arange(6) / 2.0, want=want)])
+    assert "before rounding down (e.g. 0.5 for 0)" in divided and "`//`" in divided
+    # a float count beside a right part is not called right
+    parts_text = evidence([outcome(1, WRONG, got=(want.astype(np.float64), np.ones(2)),
+                                   want=(want, np.zeros(2)))], names=("n", "x"))
+    assert "`n` is right" not in parts_text
+
+
+def test_an_output_rounded_to_half_precision_is_recognised():
+    want = np.random.default_rng(4).standard_normal(300).astype(np.float32).astype(np.float64)
+    got = want.astype(np.float16).astype(np.float64)
+    text = evidence([Outcome(1, {}, WRONG, got, want, (2e-5, 2e-4), {})])
+    assert "exactly the right values rounded to float16" in text, text
+    bf = torch.from_numpy(want).to(torch.bfloat16).double().numpy()
+    assert "rounded to bfloat16" in evidence([Outcome(1, {}, WRONG, bf, want, (2e-5, 2e-4), {})])
+
+
+def test_an_absence_is_evidence_only_when_switching_it_on_makes_the_case_pass():
+    out = [outcome(1, RIGHT, {"a causal mask": True}), outcome(2, RIGHT, {"a causal mask": True}),
+           outcome(3, WRONG, {"a causal mask": False})]
+    assert "evidence" not in evidence(out)
+    assert "evidence" not in evidence(out, experiments={"a causal mask": False})
+    text = evidence(out, experiments={"a causal mask": True})
+    assert ("fails exactly on the case without a causal mask (case 3); right on every other case, "
+            "and case 3 passes when only that is changed (causal=True)") in text, text
+    assert diagnosis.toggle("a causal mask", {"causal": False}, on=True) == {"causal": True}
+    assert diagnosis.toggle("a causal mask", {"causal": True}, on=True) is None
+
+
+def test_a_tiled_product_knows_its_steps_over_k_and_the_experiment_covers_k_in_one_step():
+    a, b = np.zeros((7, 45)), np.zeros((45, 9))
+    feats = diagnosis.derive_features({"a": a, "b": b, "block_m": 4, "block_n": 4, "block_k": 16})
+    assert feats["more than one step over K"] and feats[
+        "a ragged last step over K (K not a multiple of BLOCK_K)"]
+    assert feats["a ragged last row tile"] and feats["a ragged last column tile"]
+    changed = diagnosis.toggle("more than one step over K", {"a": a, "b": b, "block_k": 16})
+    assert changed["block_k"] == 64
