@@ -39,7 +39,7 @@ from course_lib.reference import naive_attention_torch
 
 CHECK_SHAPES = [(2, 3, 1000, 128), (2, 3, 2111, 128), (2, 3, 1000, 64)]
 SPEED_SEQ_LENS = (1024, 4096, 16384)
-SPEED_HEADS, SPEED_D = 16, 128
+SPEED_D = 128  # heads from bench.problem_shape: H·d = 2048, so H = 16
 CHILD_TIMEOUT_S = 120  # one variant: compile, 16 error checks, 12 timed cells (about 30-60 s expected)
 SILENCE_S = 40  # a child that prints nothing this long is stuck (each step prints within seconds)
 DTYPES = ("float16", "bfloat16")
@@ -102,11 +102,12 @@ def check_errors(gh, hopper, variant: str) -> list[dict]:
     return rows
 
 
-def time_cell(fn, dtype: str, n: int, causal: bool) -> float:
-    """TFLOP/s of ``fn(q, k, v, causal)`` on one bench cell (B·N = 16k tokens, H=16, d=128)."""
-    batch = bench.TOKENS // n
+def time_cell(fn, dtype: str, n: int, causal: bool, d: int = SPEED_D) -> float:
+    """TFLOP/s of ``fn(q, k, v, causal)`` on one bench cell (B·N = 16k tokens, H·d = 2048; d=128
+    unless ``d`` says otherwise: H=16)."""
+    batch, heads = bench.problem_shape(n, d)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(batch, SPEED_HEADS, n, SPEED_D, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+    q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen)
                for _ in range(3))
 
     def step():
@@ -116,7 +117,7 @@ def time_cell(fn, dtype: str, n: int, causal: bool) -> float:
     step()  # compile and warm up
     torch.cuda.synchronize()
     ms, _ = bench._time_ms(step, "cudagraph", None)
-    return bench.flops(batch, SPEED_HEADS, n, SPEED_D, causal, "fwd") / (ms * 1e-3) / 1e12
+    return bench.flops(batch, heads, n, d, causal, "fwd") / (ms * 1e-3) / 1e12
 
 
 def child(variant: str, speed: bool) -> dict:
@@ -157,13 +158,18 @@ def child(variant: str, speed: bool) -> dict:
     return out
 
 
-def run_child(variant: str, speed: bool) -> dict:
+def run_child(variant: str, speed: bool, script: str | None = None, timeout_s: float = CHILD_TIMEOUT_S,
+              silence_s: float = SILENCE_S) -> dict:
     """Run :func:`child` in a fresh process and relay its output; kill it when it prints nothing
-    for :data:`SILENCE_S` seconds (a kernel waiting on a barrier that never completes) or runs past
-    :data:`CHILD_TIMEOUT_S`. Returns its results, or its failure as a result."""
+    for ``silence_s`` seconds (a kernel waiting on a barrier that never completes) or runs past
+    ``timeout_s``. Returns its results, or its failure as a result.
+
+    ``script``: another tool whose ``--child VARIANT --out PATH [--no-speed]`` runs its own child
+    and writes a JSON object with the keys ``compile``, ``errors`` and ``speed``
+    (``tools/gluon_ablation.py``); None: this file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "child.json")
-        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--child", variant, "--out", path]
+        cmd = [sys.executable, "-u", os.path.abspath(script or __file__), "--child", variant, "--out", path]
         if not speed:
             cmd.append("--no-speed")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -178,9 +184,9 @@ def run_child(variant: str, speed: bool) -> dict:
                 print(line, end="", flush=True)
                 last = time.monotonic()
             now = time.monotonic()
-            if now - last > SILENCE_S or now - start > CHILD_TIMEOUT_S:
-                why = (f"silent for {SILENCE_S} s (a hang on a barrier?)" if now - last > SILENCE_S
-                       else f"still running after {CHILD_TIMEOUT_S} s") + ": killed"
+            if now - last > silence_s or now - start > timeout_s:
+                why = (f"silent for {silence_s} s (a hang on a barrier?)" if now - last > silence_s
+                       else f"still running after {timeout_s} s") + ": killed"
                 proc.kill()
                 break
         proc.wait()

@@ -31,6 +31,14 @@ in four variants that build on one another, chosen by :data:`VARIANTS`:
   while warpgroup 1's products run, and so on, so that one's exponentials hide under the other's
   matmuls. Each writes its half of O.
 
+Two tricks of FlashAttention-4 (issue 35) are switches of every variant, off by default until the
+H100 measures them (``tools/gluon_ablation.py``): **conditional rescaling** (``rescale_tau``: a row's
+running max moves only when a tile's max exceeds it by more than tau, and the accumulator is
+rescaled only when some row of the warpgroup moved, behind a branch all its threads take alike)
+and **software exp2** (``exp2_emulated``: part of P's exponentials computed on the FMA units by
+range reduction and a polynomial, :mod:`course_lib.fp_emulation`, to unload the special-function
+unit). :func:`kernel_facts` finds both in the PTX.
+
 Not covered (the launcher raises ValueError): head dims other than 64 and 128, dtypes other than
 fp16/bf16, ``N_q != N_k``, tensors TMA cannot read (see :func:`gluon_unsupported_reason`).
 Which variant is fastest is for the H100 to say (``tools/gluon_forward.py``).
@@ -43,11 +51,14 @@ Gluon is experimental and its names moved between Triton 3.6 and 3.9: the ones t
 from __future__ import annotations
 
 import contextlib
+import re
+import struct
+from numbers import Integral, Real
 
 import torch
 import triton
 
-from course_lib import constants
+from course_lib import constants, fp_emulation
 from course_lib.kernels import compat
 from course_lib.kernels.launch import CachedLaunch, rebased
 
@@ -72,6 +83,22 @@ DTYPES = (torch.float16, torch.bfloat16)
 TMA_ALIGN_BYTES = 16
 LOG2_E = constants.LOG2_E  # the host folds it into the score scale: exp(x) = exp2(x · log2 e)
 
+# FlashAttention-4's two tricks (issue 35), each a constexpr of the kernel, off by default until
+# the H100 measures them (tools/gluon_ablation.py):
+# - conditional rescaling: a row's running max moves only when a tile's max exceeds it by more
+#   than RESCALE_TAU (log2 units), so p = exp2(s - m) can reach 2^RESCALE_TAU; the O accumulator
+#   and l are rescaled only when some row of the partition moved. MAX_RESCALE_TAU = 8: p <= 256,
+#   far below fp16's largest value (65504; bf16's is 3e38), so P converts to the input dtype for
+#   the P·V product without overflow. 0 = always rescale (the kernel as it was).
+# - software exp2: of every EXP2_PACK exponentials of P (one inline-asm block), EXP2_EMULATED run
+#   on the FMA units (course_lib.fp_emulation's recipe and constants, polynomial of degree
+#   EXP2_DEGREE) and the rest on the special-function unit (ex2.approx). 0 = gl.exp2 everywhere.
+MAX_RESCALE_TAU = 8.0
+RESCALE_TAU = 0.0
+EXP2_PACK = 4
+EXP2_EMULATED = 0
+EXP2_DEGREE = fp_emulation.EXP2_POLY_DEGREE
+
 
 def available() -> bool:
     """Whether ``triton.experimental.gluon`` imported (it is experimental)."""
@@ -84,17 +111,98 @@ def config(variant: str, head_dim: int) -> dict:
     BLOCK_M = 128 query rows = two warpgroups of 64 rows (a wgmma is issued by one warpgroup and
     covers 64 rows); BLOCK_N = 128 keys per tile; ring slots: 2 at d=128 (Q 32 KiB + 2 × (K 32 KiB
     + V 32 KiB) = 160 KiB of the 227 KiB an H100 block may use), 3 at d=64 (112 KiB).
-    Ping-pong: 4 warps per partition, Q in two 64-row blocks.
+    Ping-pong: 4 warps per partition, Q in two 64-row blocks. The two tricks of issue 35 start
+    at their defaults (:data:`RESCALE_TAU`, :data:`EXP2_EMULATED`, :data:`EXP2_DEGREE`: off).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     pingpong = variant == "pingpong"
     return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2 if head_dim == 128 else 3, "num_warps": 4 if pingpong else 8,
-            "LOADER_REGS": 24, "CONSUMER_REGS": 240, "Q_ROWS": 64 if pingpong else 128}
+            "LOADER_REGS": 24, "CONSUMER_REGS": 240, "Q_ROWS": 64 if pingpong else 128,
+            "RESCALE_TAU": RESCALE_TAU, "EXP2_EMULATED": EXP2_EMULATED, "EXP2_DEGREE": EXP2_DEGREE}
+
+
+def _ptx_f32(value: float) -> str:
+    """``value`` as a PTX single-precision immediate (``0f`` and its 8 hex digits); it must be a float32."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
+        raise ValueError(f"{value!r} is not a float32 value")
+    return f"0f{bits:08X}"
+
+
+# fp_emulation's constants as PTX immediates, made once here: the constexpr function below may
+# only read values (Triton hashes them into the kernel's cache key), not call Python functions.
+_EXP2_PTX = {"clamp": _ptx_f32(fp_emulation.EXP2_CLAMP), "magic": _ptx_f32(fp_emulation.EXP2_FLOOR_MAGIC),
+             "shift": fp_emulation.EXP2_EXPONENT_SHIFT,
+             "polys": {deg: tuple(_ptx_f32(c) for c in poly) for deg, poly in fp_emulation.EXP2_POLYS.items()}}
+
+
+@triton.constexpr_function
+def _exp2_asm(emulated: int, pack: int, degree: int) -> str:
+    """The PTX of one inline-asm block of ``pack`` exponentials 2^x (outputs ``$0..``, inputs
+    ``$pack..``): the first ``emulated`` on the FMA units by :mod:`course_lib.fp_emulation`'s range
+    reduction and polynomial of ``degree``, the others by ``ex2.approx.ftz.f32`` (the MUFU)."""
+    poly = _EXP2_PTX["polys"][degree]  # c0 ... c_deg
+    magic = _EXP2_PTX["magic"]
+    lines = ["{", ".reg .b32 e2x, e2n, e2f, e2p;"]
+    for i in range(pack):
+        out = "$" + str(i)
+        x = "$" + str(pack + i)
+        if i >= emulated:
+            lines.append(f"ex2.approx.ftz.f32 {out}, {x};")
+        else:
+            lines += [f"max.f32 e2x, {x}, {_EXP2_PTX['clamp']};",  # -inf, NaN, x <= -127: 2^x = +0
+                      f"add.rm.f32 e2n, e2x, {magic};",  # floor(x) in the low mantissa bits
+                      f"sub.f32 e2f, e2n, {magic};",  # floor(x), exact
+                      "sub.f32 e2f, e2x, e2f;",  # f = x - floor(x) in [0, 1), exact
+                      f"fma.rn.f32 e2p, e2f, {poly[-1]}, {poly[-2]};"]  # Horner, highest degree first
+            lines += [f"fma.rn.f32 e2p, e2p, e2f, {c};" for c in reversed(poly[:-2])]
+            lines += [f"shl.b32 e2n, e2n, {_EXP2_PTX['shift']};",  # floor(x) << 23; the magic's bits drop out
+                      f"add.s32 {out}, e2p, e2n;"]  # 2^f · 2^floor(x): floor(x) added to the exponent field
+    return "\n".join(lines + ["}"])
+
+
+@triton.constexpr_function
+def _asm_constraints(pack: int) -> str:
+    """LLVM constraints of an inline-asm block with ``pack`` 32-bit outputs and as many inputs."""
+    return ",".join(["=r"] * pack + ["r"] * pack)
+
+
+def switch_constexprs(rescale_tau=None, exp2_emulated=None, exp2_degree=None) -> dict:
+    """The kernel's constexprs for issue 35's switches, checked.
+
+    Args:
+        rescale_tau, exp2_emulated, exp2_degree: as :func:`attention_forward_gluon` (None: the
+            module's default, :data:`RESCALE_TAU`, :data:`EXP2_EMULATED`, :data:`EXP2_DEGREE`).
+
+    Returns:
+        ``{"RESCALE_TAU": float, "EXP2_EMULATED": int, "EXP2_DEGREE": int}``.
+
+    Raises:
+        TypeError / ValueError naming the argument that is not a number of the allowed range.
+    """
+    rescale_tau = RESCALE_TAU if rescale_tau is None else rescale_tau
+    exp2_emulated = EXP2_EMULATED if exp2_emulated is None else exp2_emulated
+    exp2_degree = EXP2_DEGREE if exp2_degree is None else exp2_degree
+    if isinstance(rescale_tau, bool) or not isinstance(rescale_tau, Real):
+        raise TypeError(f"rescale_tau must be a number (log2 units), got {type(rescale_tau).__name__}")
+    if not 0 <= rescale_tau <= MAX_RESCALE_TAU:
+        raise ValueError(f"rescale_tau must be in [0, {MAX_RESCALE_TAU}] (p = exp2(s - m) reaches 2^rescale_tau), "
+                         f"got {rescale_tau}")
+    for name, value in (("exp2_emulated", exp2_emulated), ("exp2_degree", exp2_degree)):
+        if isinstance(value, bool) or not isinstance(value, Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= exp2_emulated <= EXP2_PACK:
+        raise ValueError(f"exp2_emulated must be from 0 to {EXP2_PACK} (exponentials of every {EXP2_PACK} "
+                         f"computed on the FMA units), got {exp2_emulated}")
+    if exp2_degree not in fp_emulation.EXP2_POLYS:
+        raise ValueError(f"exp2_degree must be one of {sorted(fp_emulation.EXP2_POLYS)}, got {exp2_degree}")
+    return {"RESCALE_TAU": float(rescale_tau), "EXP2_EMULATED": int(exp2_emulated), "EXP2_DEGREE": int(exp2_degree)}
 
 
 if GLUON_IMPORT_ERROR is None:
     LN_2 = gl.constexpr(constants.LN_2)  # lse in natural log = log2-units value · ln 2
+    _EXP2_PACK = gl.constexpr(EXP2_PACK)
 
     # ------------------------------------------------------------------------------------------
     # Gluon names where every value lives. A *distributed* layout says which thread holds which
@@ -155,12 +263,31 @@ if GLUON_IMPORT_ERROR is None:
         tma_load(desc, [b, h, t * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2, s_layout: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _exp2(x, EXP2_EMULATED: gl.constexpr, EXP2_DEGREE: gl.constexpr):
+        """2^x elementwise (fp32): the special-function unit's exp2, or with EXP2_EMULATED > 0
+        that many of every _EXP2_PACK elements on the FMA units (FlashAttention-4's software exp2,
+        :mod:`course_lib.fp_emulation`) to share the load between the two units."""
+        if EXP2_EMULATED == 0:
+            y = gl.exp2(x)
+        else:
+            y = gl.inline_asm_elementwise(_exp2_asm(EXP2_EMULATED, _EXP2_PACK, EXP2_DEGREE),
+                                          _asm_constraints(_EXP2_PACK), [x], gl.float32, True, _EXP2_PACK)
+        return y
+
+    @gluon.jit
+    def _softmax_step(s, m_i, t, n_full, row0, n_k, qk_scale_log2, s_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      RESCALE_TAU: gl.constexpr, EXP2_EMULATED: gl.constexpr, EXP2_DEGREE: gl.constexpr):
         """One online-softmax step on the raw scores ``s`` of key tile ``t`` (layout ``s_layout``).
 
-        Returns (m_new, p, alpha, l_new): the new running max (log2 units), the unnormalized
-        probabilities, the factor that rescales what was accumulated before, the new row sums."""
+        Returns (m_new, p, alpha, p_sum): the new running max (log2 units), the unnormalized
+        probabilities, the factor that rescales what was accumulated before (:func:`_rescale`
+        applies it to acc and l), the row sums of p.
+
+        With RESCALE_TAU > 0 (conditional rescaling) a row's max moves only when the tile's max
+        exceeds it by more than RESCALE_TAU: otherwise m stays, alpha is exactly 1, and p may reach
+        2^RESCALE_TAU. Exact after the final division by l, and lse = (m + log2 l)·ln 2 holds for any
+        m the row used."""
         s = s * qk_scale_log2  # scale · log2(e) folded into one multiply: exp2 below is exp
         if t >= n_full:  # the diagonal band or the ragged end: hide the keys a row must not see
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -169,11 +296,30 @@ if GLUON_IMPORT_ERROR is None:
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
             s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_combine))  # every row sees key 0 in tile 0: never -inf
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-        l_new = l_i * alpha + gl.reduce(p, 1, _add_combine)
-        return m_new, p, alpha, l_new
+        m_tile = gl.reduce(s, 1, _max_combine)  # every row sees key 0 in tile 0: m never stays -inf
+        if RESCALE_TAU > 0:
+            moved = m_tile > m_i + RESCALE_TAU  # always on the first tile (m_i = -inf)
+            m_new = gl.where(moved, m_tile, m_i)
+            alpha = gl.where(moved, gl.exp2(m_i - m_new), 1.0)  # exactly 1 where m stays
+        else:
+            m_new = gl.maximum(m_i, m_tile)
+            alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+        p = _exp2(s - m_new[:, None], EXP2_EMULATED, EXP2_DEGREE)
+        return m_new, p, alpha, gl.reduce(p, 1, _add_combine)
+
+    @gluon.jit
+    def _rescale(acc, l_i, alpha, row_o: gl.constexpr, RESCALE_TAU: gl.constexpr):
+        """``(acc · alpha, l_i · alpha)``, each row by its own factor (``acc``'s rows in layout
+        ``row_o``). With RESCALE_TAU > 0 only if the max of some row of this partition moved (alpha
+        < 1 there, exactly 1 elsewhere): one flag reduced over all the partition's rows, so every
+        thread takes the same branch and the skipped multiplies are not executed at all."""
+        rescale = 1
+        if RESCALE_TAU > 0:
+            rescale = gl.reduce((alpha < 1.0).to(gl.int32), 0, _max_combine)
+        if rescale > 0:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            l_i = l_i * alpha
+        return acc, l_i
 
     @gluon.jit
     def _release(desc, ring, ready, empty, b, h, t, n_tiles, BAR0: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -191,7 +337,8 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h, tile_start, row0, n_k,
                   qk_scale_log2, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-                  LOADS_HERE: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+                  LOADS_HERE: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RESCALE_TAU: gl.constexpr,
+                  EXP2_EMULATED: gl.constexpr, EXP2_DEGREE: gl.constexpr, num_warps: gl.constexpr):
         """The matmuls and the softmax of BLOCK_M query rows (from ``row0``; ``q_smem`` holds them)
         over every key tile of the program's TILE_M-row tile (from ``tile_start``); returns
         (acc, m_i, l_i).
@@ -200,7 +347,9 @@ if GLUON_IMPORT_ERROR is None:
         producer partition does, and these warps tell it, by arriving on ``empty``, when a slot
         may be overwritten (designs c, d). ``PINGPONG`` (design d): this is consumer warpgroup
         ``WG`` of two; before issuing its products it waits for its turn on ``turn[WG]``, and once
-        they are issued it hands the turn to the other (arrives on ``turn[1 - WG]``)."""
+        they are issued it hands the turn to the other (arrives on ``turn[1 - WG]``).
+        ``RESCALE_TAU``, ``EXP2_EMULATED``, ``EXP2_DEGREE``: issue 35's switches
+        (:func:`_softmax_step`, :func:`_rescale`)."""
         # The accumulator layouts of the two products. version=[3, 0] is Hopper's wgmma; the warps
         # are stacked along the rows ([num_warps, 1]: each warp owns 16 rows, so warps 0-3, the
         # first warpgroup, own rows 0-63 and warps 4-7 rows 64-127); instr_shape=[16, n, 16]: one
@@ -240,9 +389,9 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             _release(k_desc, k_ring, ready, empty, b, h, 0, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)
-            m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, 0, n_full, row0, n_k, qk_scale_log2,
-                                               s_layout, BLOCK_M, BLOCK_N, CAUSAL)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            m_i, p, alpha, l_i = _softmax_step(s, m_i, 0, n_full, row0, n_k, qk_scale_log2, s_layout, BLOCK_M,
+                                               BLOCK_N, CAUSAL, RESCALE_TAU, EXP2_EMULATED, EXP2_DEGREE)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)  # l_i above: the first tile's row sums
             for t in range(1, n_tiles):
                 slot = t % STAGES
                 prev = (t - 1) % STAGES
@@ -261,14 +410,15 @@ if GLUON_IMPORT_ERROR is None:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
                 _release(k_desc, k_ring, ready, empty, b, h, t, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)  # K_t read
-                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
-                                                   s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+                m_i, p, alpha, p_sum = _softmax_step(s, m_i, t, n_full, row0, n_k, qk_scale_log2, s_layout, BLOCK_M,
+                                                     BLOCK_N, CAUSAL, RESCALE_TAU, EXP2_EMULATED, EXP2_DEGREE)
                 # Now O's product must be done before we rescale it. p_op is in the deps so that
                 # its registers stay untouched until the product that reads them has finished.
                 acc, p_old = warpgroup_mma_wait(0, deps=(o_tok, p_op))
                 _release(v_desc, v_ring, ready, empty, b, h, t - 1, n_tiles, STAGES, BLOCK_N, STAGES,
                          LOADS_HERE)  # V_{t-1} read
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc, l_i = _rescale(acc, l_i, alpha, row_o, RESCALE_TAU)
+                l_i = l_i + p_sum
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             last = n_tiles - 1  # the last tile's P V
             mbarrier.wait(ready.index(STAGES + last % STAGES), (last // STAGES) & 1)
@@ -286,9 +436,10 @@ if GLUON_IMPORT_ERROR is None:
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
                 _release(k_desc, k_ring, ready, empty, b, h, t, n_tiles, 0, BLOCK_N, STAGES, LOADS_HERE)
-                m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, t, n_full, row0, n_k, qk_scale_log2,
-                                                   s_layout, BLOCK_M, BLOCK_N, CAUSAL)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                m_i, p, alpha, p_sum = _softmax_step(s, m_i, t, n_full, row0, n_k, qk_scale_log2, s_layout, BLOCK_M,
+                                                     BLOCK_N, CAUSAL, RESCALE_TAU, EXP2_EMULATED, EXP2_DEGREE)
+                acc, l_i = _rescale(acc, l_i, alpha, row_o, RESCALE_TAU)
+                l_i = l_i + p_sum
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
                 mbarrier.wait(ready.index(STAGES + slot), phase)  # V_t has landed
                 o_tok = warpgroup_mma(p_op, _tile2d(v_ring, slot), acc, is_async=True)
@@ -341,14 +492,16 @@ if GLUON_IMPORT_ERROR is None:
     def _pingpong_consumer(q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, o_desc, LSE,
                            b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, TILE_M: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, RESCALE_TAU: gl.constexpr,
+                           EXP2_EMULATED: gl.constexpr, EXP2_DEGREE: gl.constexpr, num_warps: gl.constexpr):
         """Design d: one consumer warpgroup's whole job, rows ``[WG·BLOCK_M, (WG+1)·BLOCK_M)`` of
         the tile, epilogue included (a worker partition returns nothing to the kernel). ``q_bufs``
         holds the tile's Q as two 64-row buffers; this warpgroup reads buffer ``WG``."""
         row0 = start_m + WG * BLOCK_M
         acc, m_i, l_i = _consumer(_tile2d(q_bufs, WG), k_ring, v_ring, ready, empty, q_bar, turn,
                                   k_desc, v_desc, b, h, start_m, row0, n_k, qk_scale_log2, TILE_M, BLOCK_M, BLOCK_N,
-                                  HEAD_DIM, STAGES, CAUSAL, True, False, True, WG, num_warps)
+                                  HEAD_DIM, STAGES, CAUSAL, True, False, True, WG, RESCALE_TAU, EXP2_EMULATED,
+                                  EXP2_DEGREE, num_warps)
         # Our half of Q is no longer read by any product: O goes out through its buffer.
         _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, LSE, b, h, row0, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
@@ -408,7 +561,9 @@ if GLUON_IMPORT_ERROR is None:
                                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                                        WARP_SPECIALIZE: gl.constexpr, PINGPONG: gl.constexpr,
                                        LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                       num_warps: gl.constexpr):
+                                       num_warps: gl.constexpr, RESCALE_TAU: gl.constexpr = RESCALE_TAU,
+                                       EXP2_EMULATED: gl.constexpr = EXP2_EMULATED,
+                                       EXP2_DEGREE: gl.constexpr = EXP2_DEGREE):
         """One program: BLOCK_M queries of one (batch, head). Grid ``(cdiv(N, BLOCK_M), B·H)``.
 
         The descriptors are of the ``(B, H, N, d)`` tensors with blocks ``[1, 1, rows, d]``: TMA
@@ -427,10 +582,12 @@ if GLUON_IMPORT_ERROR is None:
             gl.warp_specialize(
                 [(_pingpong_consumer, (q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc,
                                        o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, Q_ROWS,
-                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, num_warps)),
+                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, RESCALE_TAU, EXP2_EMULATED,
+                                       EXP2_DEGREE, num_warps)),
                  (_pingpong_consumer, (q_bufs, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc,
                                        o_desc, LSE, b, h, start_m, pid_bh, n_q, n_k, qk_scale_log2, BLOCK_M, Q_ROWS,
-                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 1, 4)),
+                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 1, RESCALE_TAU, EXP2_EMULATED,
+                                       EXP2_DEGREE, 4)),
                  (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
                               BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
                 [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -443,14 +600,15 @@ if GLUON_IMPORT_ERROR is None:
                 acc, m_i, l_i = gl.warp_specialize(
                     [(_consumer, (q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h, start_m,
                                   start_m, n_k, qk_scale_log2, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                  True, False, False, 0, num_warps)),
+                                  True, False, False, 0, RESCALE_TAU, EXP2_EMULATED, EXP2_DEGREE, num_warps)),
                      (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, b, h, start_m, n_k,
                                   BLOCK_M, BLOCK_N, STAGES, CAUSAL))],
                     [1], [LOADER_REGS])
             else:
                 acc, m_i, l_i = _consumer(q_smem, k_ring, v_ring, ready, empty, q_bar, turn, k_desc, v_desc, b, h,
                                           start_m, start_m, n_k, qk_scale_log2, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                          STAGES, CAUSAL, OVERLAP, True, False, 0, num_warps)
+                                          STAGES, CAUSAL, OVERLAP, True, False, 0, RESCALE_TAU, EXP2_EMULATED,
+                                          EXP2_DEGREE, num_warps)
             # Epilogue through Q's buffer: no product reads Q any more.
             _epilogue(acc, m_i, l_i, q_bufs.index(0), o_desc, LSE, b, h, start_m, pid_bh, n_q, BLOCK_M, HEAD_DIM)
 
@@ -551,17 +709,20 @@ class ForwardLaunch:
     Args:
         q, k, v, causal, variant: as :func:`attention_forward_gluon`.
         cache: launch later calls by the compiled kernel's handle, with the first call's descriptors.
+        rescale_tau, exp2_emulated, exp2_degree: issue 35's switches, as :func:`attention_forward_gluon`.
 
     Raises:
-        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`).
+        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`); TypeError /
+        ValueError naming a switch out of its range.
     """
 
-    def __init__(self, q, k, v, causal: bool, variant: str = "ws", cache: bool = False):
+    def __init__(self, q, k, v, causal: bool, variant: str = "ws", cache: bool = False, rescale_tau=None,
+                 exp2_emulated=None, exp2_degree=None):
         why = gluon_unsupported_reason(q, k, v)
         if why:
             raise ValueError(f"attention_forward_gluon: q, k, v: {why}")
         batch, heads, n, d = q.shape
-        cfg = config(variant, d)
+        cfg = {**config(variant, d), **switch_constexprs(rescale_tau, exp2_emulated, exp2_degree)}
         self.o_shape, self.lse_shape = (batch, heads, n, d), (batch, heads, n)
         self.dtype, self.device, self.sizes, self.compiling_only = q.dtype, q.device, (heads, n, n), _compiling_only()
         self.descriptors = Descriptors((cfg["Q_ROWS"], cfg["BLOCK_N"], cfg["BLOCK_N"], cfg["Q_ROWS"]), cache)
@@ -569,7 +730,8 @@ class ForwardLaunch:
         self.launch = CachedLaunch(attention_forward_gluon_kernel, grid, dict(
             HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], CAUSAL=bool(causal),
             OVERLAP=variant != "tma", WARP_SPECIALIZE=variant == "ws", PINGPONG=variant == "pingpong",
-            LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"]), cache)
+            LOADER_REGS=cfg["LOADER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=cfg["num_warps"],
+            RESCALE_TAU=cfg["RESCALE_TAU"], EXP2_EMULATED=cfg["EXP2_EMULATED"], EXP2_DEGREE=cfg["EXP2_DEGREE"]), cache)
 
     def __call__(self, q, k, v, o, lse, scale: float):
         """Launch into ``o`` and ``lse``; return the compiled kernel."""
@@ -577,7 +739,8 @@ class ForwardLaunch:
 
 
 def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, variant: str = "ws",
-                            launch: ForwardLaunch | None = None):
+                            launch: ForwardLaunch | None = None, rescale_tau: float | None = None,
+                            exp2_emulated: int | None = None, exp2_degree: int | None = None):
     """Attention forward with the Gluon kernel; ``(o, lse)`` as
     :func:`course_lib.kernels.hopper.attention_forward_tma` returns them (o in q's dtype, lse the
     natural-log log-sum-exp of each query's scaled scores, float32, ``(B, H, N)``).
@@ -588,12 +751,20 @@ def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, v
         causal: query i sees keys j <= i. scale: default ``d ** -0.5``.
         variant: one of :data:`VARIANTS`.
         launch: a :class:`ForwardLaunch` made for these inputs' call signature (the library's launch
-            plans keep one); None: made here.
+            plans keep one); None: made here (then the switches below apply; a given launch has its own).
+        rescale_tau: conditional rescaling's threshold in log2 units, 0 to :data:`MAX_RESCALE_TAU`
+            (0: rescale on every tile). None: :data:`RESCALE_TAU`.
+        exp2_emulated: of every :data:`EXP2_PACK` exponentials of P, how many are computed on the
+            FMA units (0 to EXP2_PACK). None: :data:`EXP2_EMULATED`.
+        exp2_degree: the degree of that polynomial, a key of
+            :data:`course_lib.fp_emulation.EXP2_POLYS`. None: :data:`EXP2_DEGREE`.
 
     Raises:
-        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`).
+        ValueError naming what is not covered (see :func:`gluon_unsupported_reason`); TypeError /
+        ValueError naming a switch out of its range.
     """
-    launch = launch or ForwardLaunch(q, k, v, causal, variant)
+    launch = launch or ForwardLaunch(q, k, v, causal, variant, rescale_tau=rescale_tau, exp2_emulated=exp2_emulated,
+                                     exp2_degree=exp2_degree)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.empty(launch.o_shape, dtype=launch.dtype, device=launch.device)
     lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=launch.device)
@@ -621,29 +792,59 @@ attention_forward_gluon.last_kernel = None
 # PTX lines that show a design's claim in the compiled kernel.
 PTX_OVERLAP = r"wgmma\.wait_group\.sync\.aligned\s+1;"  # at most 1 product left pending (design b)
 PTX_REG_BUDGET = r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);"  # per-partition registers (design c)
+PTX_EX2 = "ex2.approx"  # an exponential on the special-function unit (gl.exp2 and the inline asm's)
+PTX_POLY_FMA = "fma.rn.f32 e2p,"  # one Horner step of the software exp2 (_exp2_asm's register name)
+# A conditional forward branch: "@%p bra L;" (or "@!%p"), its target label, and what ends a block.
+_PTX_COND_BRANCH = re.compile(r"@!?%p\d+ bra(?:\.uni)?\s+(\$L__\w+);")
+_PTX_LABEL = re.compile(r"^(\$L__\w+):")
+_PTX_JUMP = re.compile(r"^bra(?:\.uni)?\s+(\$L__\w+);")
+
+
+def guarded_blocks(ptx: str) -> list[str]:
+    """The bodies of the PTX's if-then blocks: the code a conditional branch jumps over to a label
+    that the body itself falls into or jumps to (``@%p bra L; body; [bra.uni L;] L:``), so it runs
+    only when the predicate is false. Loops and if-else shapes are not listed."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    bodies = []
+    for i, line in enumerate(lines):
+        branch = _PTX_COND_BRANCH.search(line)
+        if not branch:
+            continue
+        target = branch.group(1)
+        for j in range(i + 1, len(lines)):
+            label, jump = _PTX_LABEL.match(lines[j]), _PTX_JUMP.match(lines[j])
+            if label or jump or lines[j] == "ret;":
+                if (label and label.group(1) == target) or (jump and jump.group(1) == target):
+                    bodies.append("\n".join(lines[i + 1:j]))
+                break
+    return bodies
 
 
 def kernel_facts(kernel) -> dict:
     """What one compiled kernel uses: registers per thread (at launch; ``setmaxnreg`` moves them
     between partitions afterwards), spilled bytes, shared memory, and the PTX evidence: how many
-    ``wgmma.wait_group 1`` and ``setmaxnreg`` it holds, and the ``setmaxnreg`` values."""
-    import re
-
+    ``wgmma.wait_group 1`` and ``setmaxnreg`` it holds, and the ``setmaxnreg`` values; for issue
+    35's switches, the ``ex2.approx`` count, the software exp2's Horner FMAs, and the most
+    ``mul.f32`` one if-then block holds (conditional rescaling puts the acc rescale there)."""
     ptx = kernel.asm["ptx"]
     return {"registers": kernel.n_regs, "spill_bytes": 4 * kernel.n_spills, "shared_bytes": kernel.metadata.shared,
             "wait_group_1": len(re.findall(PTX_OVERLAP, ptx)),
             "setmaxnreg": sorted({f"{op} {regs}" for op, regs in re.findall(PTX_REG_BUDGET, ptx)}),
-            "wgmma": ptx.count("wgmma.mma_async"), "triton": triton.__version__}
+            "wgmma": ptx.count("wgmma.mma_async"), "ex2": ptx.count(PTX_EX2), "poly_fma": ptx.count(PTX_POLY_FMA),
+            "guarded_mul_f32": max((body.count("mul.f32") for body in guarded_blocks(ptx)), default=0),
+            "triton": triton.__version__}
 
 
-def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal: bool = False, n: int = 1000):
+def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal: bool = False, n: int = 1000,
+                  **switches):
     """Compile one variant for sm_90 on a machine without a GPU and return :func:`kernel_facts`.
 
     Uses :class:`course_lib.reach.StandInDriver` (a driver that compiles and "loads" but never
-    launches) on CPU tensors, and puts the real driver back afterwards."""
+    launches) on CPU tensors, and puts the real driver back afterwards. ``switches``: issue 35's
+    ``rescale_tau``, ``exp2_emulated``, ``exp2_degree`` (:func:`attention_forward_gluon`)."""
     with stand_in_sm90():
         q = torch.zeros(1, 1, n, head_dim, dtype=dtype)
-        attention_forward_gluon(q, q, q, causal, variant=variant)
+        attention_forward_gluon(q, q, q, causal, variant=variant, **switches)
         return kernel_facts(attention_forward_gluon.last_kernel)
 
 
@@ -672,4 +873,5 @@ def stand_in_sm90():
 
 
 __all__ = ["attention_forward_gluon", "gluon_unsupported_reason", "available", "config", "VARIANTS", "HEAD_DIMS",
-           "GLUON_IMPORT_ERROR", "kernel_facts", "cross_compile", "stand_in_sm90"]
+           "GLUON_IMPORT_ERROR", "kernel_facts", "cross_compile", "stand_in_sm90", "MAX_RESCALE_TAU", "RESCALE_TAU",
+           "EXP2_PACK", "EXP2_EMULATED", "EXP2_DEGREE", "switch_constexprs", "guarded_blocks"]
