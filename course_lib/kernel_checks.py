@@ -208,6 +208,13 @@ class MemoryViolation(KernelProblem):
         self.index = evidence.get("index")
         self.kind = evidence.get("kind")
 
+    def extended(self, line: str | None) -> "MemoryViolation":
+        """The same violation with one more line of explanation (a chapter's hint), its
+        evidence kept."""
+        return MemoryViolation(str(self) + (f"\n  {line}" if line else ""), **{
+            k: getattr(self, k) for k in ("op", "write", "program", "n_bad", "n_lanes", "tensor",
+                                          "index", "kind")})
+
 
 @dataclass
 class _Region:
@@ -301,7 +308,14 @@ class MemoryGuard:
         head = (f"your kernel's {op} in program id ({pid}) would {'write' if write else 'read'} "
                 f"{bad.size} of its {lanes.size} active lane(s) outside the tensors it may "
                 f"{'write' if write else 'read'}; stopped before the access")
+        self._op = op
         where, why, evidence = self._locate(bad, lanes, write)
+        if op in (DESCRIPTOR_LOAD, DESCRIPTOR_STORE):  # no mask to add: its declared shape is it
+            why = re.sub(r"The tl\.(load|store) of a tile needs a mask on its rows \(mask=[^)]*\)",
+                         f"A descriptor's {'store' if write else 'load'} takes no mask: it stops at "
+                         f"the shape the descriptor was declared with — a declared shape larger "
+                         f"than `{evidence.get('tensor')}`'s own reaches past its end",  why)
+        why += self._steps_note(np.asarray(addresses), evidence.get("tensor"))
         if bad.size == lanes.size:  # the whole tile is off, not a ragged edge a mask would cover
             why += _swapped_program_ids_note(program, _grid_dims())
         raise MemoryViolation(f"{head}\n  first bad lane: {where}\n  {why}", op=op, write=write,
@@ -339,7 +353,13 @@ class MemoryGuard:
                 text = "; ".join(f"dim {d} index {i} ≥ its size {n}" for d, i, n in over)
                 leading = len(r.shape) > 2 and all(d < len(r.shape) - 2 for d, _, _ in over)
                 dims = " and ".join(str(d) for d, _, _ in over)
-                why = (f"past the end of `{r.name}` along dim {dims}: the offset along that dim "
+                why = (f"past the end of `{r.name}`: a descriptor's "
+                       f"{'store' if write else 'load'} takes no mask — it stops at the shape the "
+                       f"descriptor was declared with, so a declared shape larger than "
+                       f"`{r.name}`'s own reaches past its end: declare its real shape (and "
+                       f"strides) when you make the descriptor"
+                       if getattr(self, "_op", None) in (DESCRIPTOR_LOAD, DESCRIPTOR_STORE) else
+                       f"past the end of `{r.name}` along dim {dims}: the offset along that dim "
                        f"is too large — its index computed with another dim's stride, from the "
                        f"wrong program id, or from a length that runs past the end"
                        if leading else
@@ -355,6 +375,8 @@ class MemoryGuard:
             for other in self.regions:
                 if other is r or other.strides == r.strides or len(other.strides) != len(r.shape):
                     continue
+                if not _strides_nest(other.strides, r.shape):
+                    continue  # indices read with them are not unique: any offset fits somehow
                 if not r.index_of(lanes, strides=other.strides)[1].all():
                     continue
                 idx = tuple(int(i[0]) for i in r.index_of(a, strides=other.strides)[0])
@@ -388,6 +410,40 @@ class MemoryGuard:
                 "index multiplied by the wrong stride, or a pid used for the wrong axis",
                 dict(tensor=near.name, index=None, kind="outside"))
 
+
+    def _steps_note(self, addresses: np.ndarray, name: str | None) -> str:
+        """A line of evidence when the tile's offsets step through memory by amounts that are
+        not strides of the tensor they are meant for: the steps per tile axis (uniform ones
+        only, read from every lane, masked or not) beside the tensor's strides, and what a
+        wrong step equals (a size of that tensor, or another tensor's stride). Empty when the
+        steps are the tensor's strides (the slip is elsewhere: a base offset, a mask)."""
+        r = next((x for x in self.regions if x.name == name), None)
+        if r is None or addresses.ndim < 2 or addresses.size < 4:
+            return ""
+        steps = []
+        for axis in range(addresses.ndim):
+            if addresses.shape[axis] < 2:
+                continue
+            diff = np.diff(addresses.astype(np.int64), axis=axis)
+            if (diff != diff.flat[0]).any() or diff.flat[0] % r.itemsize:
+                return ""  # not one step along this axis: no simple story
+            steps.append(int(diff.flat[0]) // r.itemsize)
+        wrong = [st for st in steps if st not in r.strides]
+        if not wrong or len(steps) < 2:
+            return ""
+        said = []
+        for st in dict.fromkeys(wrong):
+            sizes = [d for d, n in enumerate(r.shape) if n == st]
+            others = [f"`{x.name}`'s stride({d})" for x in self.regions if x is not r
+                      for d, xs in enumerate(x.strides) if xs == st and x.shape[d] > 1]
+            if sizes:
+                said.append(f"{st} is `{r.name}`'s size along dim {sizes[0]} (a size where a stride "
+                            f"belongs)")
+            elif others:
+                said.append(f"{st} is {others[0]}")
+        axes = " and ".join(str(st) for st in steps)
+        return (f"\n  the offsets of this tile step {axes} elements along its axes; `{r.name}`'s "
+                f"strides are {tuple(r.strides)}" + (f": {'; '.join(said)}" if said else ""))
 
     @staticmethod
     def _own_strides_swapped(r: "_Region", lanes: np.ndarray):
@@ -456,6 +512,18 @@ class MemoryGuard:
                 dict(tensor=r.name, index=idx, kind="past the end"))
 
 
+def _strides_nest(strides: tuple, shape: tuple) -> bool:
+    """Whether every offset has at most one index of ``shape`` under ``strides`` (each stride
+    steps over everything the smaller ones reach); otherwise "these offsets fit those strides"
+    is true of almost any offsets and is no evidence."""
+    extent = 1
+    for st, n in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+        if st < extent:
+            return False
+        extent = st * n
+    return True
+
+
 def _grid_dims() -> tuple:
     """The running launch's grid in the interpreter (``()`` when unknown)."""
     from triton.runtime import interpreter as interp
@@ -487,6 +555,11 @@ def _swapped_program_ids_note(program: tuple, grid: tuple) -> str:
 _ACTIVE_GUARDS: list[MemoryGuard] = []
 
 
+# How the guard names a load or store a tensor descriptor made (the interpreter turns it into a
+# masked access whose mask is the descriptor's declared shape, not the tensor's)
+DESCRIPTOR_LOAD, DESCRIPTOR_STORE = "descriptor load (desc.load)", "descriptor store (desc.store)"
+
+
 def _guarded_builder_methods():
     """The interpreter builder's memory operations, wrapped to ask the active guard first."""
     from triton.runtime import interpreter as interp
@@ -494,18 +567,31 @@ def _guarded_builder_methods():
     builder = interp.interpreter_builder
     original = {name: getattr(builder, name) for name in
                 ("create_masked_load", "create_masked_store", "create_atomic_rmw",
-                 "create_atomic_cas")}
+                 "create_atomic_cas", "create_descriptor_load", "create_descriptor_store")
+                if hasattr(builder, name)}
+    through_descriptor = []  # non-empty while a descriptor's load/store runs (it masks by its shape)
 
     def pid():
         return builder.grid_idx or (0, 0, 0)
 
     def masked_load(ptrs, mask, other, *rest, **options):
-        _ACTIVE_GUARDS[-1].check("tl.load", ptrs.data, mask.data, False, pid())
+        op = DESCRIPTOR_LOAD if through_descriptor else "tl.load"
+        _ACTIVE_GUARDS[-1].check(op, ptrs.data, mask.data, False, pid())
         return original["create_masked_load"](ptrs, mask, other, *rest, **options)
 
     def masked_store(ptrs, value, mask, *rest, **options):
-        _ACTIVE_GUARDS[-1].check("tl.store", ptrs.data, mask.data, True, pid())
+        op = DESCRIPTOR_STORE if through_descriptor else "tl.store"
+        _ACTIVE_GUARDS[-1].check(op, ptrs.data, mask.data, True, pid())
         return original["create_masked_store"](ptrs, value, mask, *rest, **options)
+
+    def by_descriptor(name):
+        def run(*args, **options):
+            through_descriptor.append(name)
+            try:
+                return original[name](*args, **options)
+            finally:
+                through_descriptor.pop()
+        return run
 
     def atomic_rmw(op, ptr, val, mask, *rest, **options):
         _ACTIVE_GUARDS[-1].check("atomic", ptr.data, mask.data, True, pid())
@@ -515,9 +601,11 @@ def _guarded_builder_methods():
         _ACTIVE_GUARDS[-1].check("tl.atomic_cas", ptr.data, None, True, pid())
         return original["create_atomic_cas"](ptr, cmp, val, *rest, **options)
 
-    return builder, original, {"create_masked_load": masked_load,
-                               "create_masked_store": masked_store,
-                               "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas}
+    wrapped = {"create_masked_load": masked_load, "create_masked_store": masked_store,
+               "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas}
+    wrapped.update({name: by_descriptor(name) for name in
+                    ("create_descriptor_load", "create_descriptor_store") if name in original})
+    return builder, original, wrapped
 
 
 @contextlib.contextmanager
@@ -964,8 +1052,7 @@ class LayoutRun:
                     raise
                 hint = self.guard_hint and self.guard_hint(guard_evidence(str(violation)),
                                                            {**params, "inputs": inputs})
-                raise MemoryViolation(
-                    str(violation) + (f"\n  {hint}" if hint else "")) from None
+                raise violation.extended(hint) from None
         if inputs[0].device.type == "cuda":
             torch.cuda.synchronize()
         for name, (_, buffer), before in zip(self.names, placed, pristine):
@@ -1059,6 +1146,13 @@ def layout_experiments(correct: Callable, case: Case, names: Sequence[str],
             shape = case.args[i].shape if i < len(case.args) else None
             strides = lay.strides(shape) if shape is not None else None
             culprits.append(f"`{names[i]}`" + (f" (strides {strides})" if strides else ""))
+            faulted = getattr(correct, "faulted", None)
+            if faulted and faulted != names[i] and len(layouts) > 1:
+                # another tensor goes out of bounds when only this one's layout changes
+                return (f"your kernel is right when every tensor is dense and row-major; with "
+                        f"only {culprits[-1]} in this case's layout it goes out of bounds on "
+                        f"`{faulted}`, whose layout did not change: `{faulted}`'s offsets use "
+                        f"`{names[i]}`'s strides (at least one of them) — use `{faulted}`'s own")
     if not culprits:
         return ("your kernel is right when every tensor is dense and row-major, and when any one "
                 "of them has this case's layout, but not with all of them: a stride of one "
@@ -1149,13 +1243,17 @@ def check_layout_kernel(exercise: str, answer, run: LayoutRun, reference: Callab
             case = cases[int(found.group(1)) - 1]
 
             def correct(c: Case) -> bool:
+                correct.faulted = None  # the tensor a memory violation of this run names
                 try:
                     kwargs = dict(c.kwargs or {})
                     got = _quietly(run, *checks._copy_value(tuple(c.args)), **kwargs)
                     atol, rtol = tolerance or checks._default_tolerance(
                         want := reference(*c.args, **kwargs))
                     return checks.compare(got, want, atol, rtol) is None
-                except (Exception, SystemExit):  # noqa: BLE001 - any failure is "not right"
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure is "not right"
+                    violation = next((e for e in exception_chain(exc)
+                                      if isinstance(e, MemoryViolation)), None)
+                    correct.faulted = violation and violation.tensor
                     return False
 
             dense_right = None

@@ -596,12 +596,13 @@ SCORES_KERNEL_CORPUS = {k.value: found for k, found in {
     MASK_SWAPPED: ("seen", expect(cpu="tl.store in program", gpu="value(s) outside S (37, 45)")),
     # n_q = 37 < n_k = 45 in case 1: Q's rows 37.. are read, which the guard stops; on a GPU they
     # feed only S's masked rows, and case 3 (n_q > n_k, Q's rows past n_k read as 0) names it
-    Q_ROWS_NK: expect(cpu=("seen", "past the end of `q`"),
+    # the guard names the access a descriptor load, and the declared shape as the place to look
+    Q_ROWS_NK: expect(cpu=("seen", "declared shape larger than `q`'s own"),
                       gpu=("cause", _cause("Q's descriptor has n_k rows"))),
     # d = 16 is HEAD_DIM in case 1; d = 48 later: on a GPU the padded columns read Q's NaN margin
-    SHAPE_PADDED: ("seen", expect(cpu="tl.load in program",
+    SHAPE_PADDED: ("seen", expect(cpu="descriptor load (desc.load) in program",
                                   gpu="depends on memory outside the inputs (their margins hold NaN")),
-    STRIDES_SWAPPED: ("seen", expect(cpu="your kernel's tl.load",
+    STRIDES_SWAPPED: ("seen", expect(cpu="your kernel's descriptor load",
                                      gpu="depends on memory outside the inputs (their margins hold NaN")),
     STORE_ROW_N_K: ("seen", "✗ Exercise 9.3"),
     PIDS_SWAPPED: ("seen", "✗ Exercise 9.3"),

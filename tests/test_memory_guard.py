@@ -184,3 +184,51 @@ def test_swapped_program_ids_are_named_and_a_ragged_edge_is_not():
     with pytest.raises(MemoryViolation) as info:
         run_copy(torch.randn(40), torch.empty(45), masked=False)
     assert "program ids swapped" not in str(info.value)
+
+
+@triton.jit
+def tile_copy_kernel(x_ptr, y_ptr, stride_row, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.arange(0, BLOCK_R)[:, None]
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    tl.store(y_ptr + rows * stride_row + cols, tl.load(x_ptr + rows * BLOCK_C + cols))
+
+
+def test_a_tile_stepping_by_a_size_where_a_stride_belongs_is_told_and_lone_strides_fit_nothing():
+    """The tile's steps are read from its lanes; a step that is the tensor's width (its shape)
+    is named as such. Another tensor's strides that do not nest over this one's shape fit any
+    offset, so they are not offered as the explanation."""
+    x = torch.randn(16, 8)
+    wide = torch.randn(16, 20)[:, :8]  # row stride 20, 8 columns: the kernel steps by 8
+    y = torch.empty(16, 20)[:, :8]
+    with pytest.raises(MemoryViolation) as info, memory_guard() as guard:
+        guard.allow("x", x)
+        guard.allow("y", y, write=True)
+        guard.allow("wide", wide)
+        tile_copy_kernel[(1,)](x, y, 24, BLOCK_R=16, BLOCK_C=8)
+    text = str(info.value)
+    assert "the offsets of this tile step 24 and 1 elements along its axes; `y`'s strides are (20, 1)" \
+        in text, text
+    assert kernel_checks._strides_nest((20, 1), (16, 8))
+    assert not kernel_checks._strides_nest((8, 1), (16, 20))  # (1, 12) and (2, 4) are one offset
+
+
+def test_a_layout_run_that_faults_on_another_tensor_names_whose_strides_it_used():
+    """Only `q`'s layout changed and the kernel wrote `o` out of bounds: `o`'s offsets use `q`'s
+    strides — not "look at how the kernel steps through `q`"."""
+    from course_lib.checks import Case
+
+    class FakeLayout:
+        def strides(self, shape):
+            return (9, 1)
+
+    def correct(case):
+        layouts = case.kwargs["layouts"]
+        correct.faulted = "o" if layouts[0] is not None and all(
+            lay is None for lay in layouts[1:]) else None
+        return correct.faulted is None and all(lay is None for lay in layouts)
+
+    case = kernel_checks.LayoutCase((torch.zeros(3, 4), torch.zeros(3, 4)),
+                                    {"layouts": (FakeLayout(), None)})
+    line = kernel_checks.layout_experiments(correct, case, ("q", "o"), dense_right=True)
+    assert "goes out of bounds on `o`, whose layout did not change: `o`'s offsets use `q`'s strides" \
+        in line, line

@@ -289,8 +289,7 @@ class IntLayoutRun(LayoutRun):
                     raise
                 hint = self.guard_hint and self.guard_hint(
                     kernel_checks.guard_evidence(str(violation)), {**params, "inputs": inputs})
-                raise kernel_checks.MemoryViolation(
-                    str(violation) + (f"\n  {hint}" if hint else "")) from None
+                raise violation.extended(hint) from None
         if inputs[0].device.type == "cuda":
             torch.cuda.synchronize()
         for name, (_, buffer), before in zip(self.names, placed, pristine):
