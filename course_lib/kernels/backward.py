@@ -374,8 +374,21 @@ def run_delta(launch: CachedLaunch, o, do, lse, delta=None, tail=None):
     (:func:`delta_launch`), into ``delta`` when given (:meth:`Buffers.scratch`). ``tail``: the
     launch's arguments after the three tensors (:func:`delta_tail`), when the caller kept them."""
     delta = torch.empty_like(lse) if delta is None else delta
-    launch(o, do, delta, *(tail or delta_tail(o, do)))
+    args = (o, do, delta, *(tail or delta_tail(o, do)))
+    if launch.compiled is None and not _rt.interpreted:  # the first launch on a GPU: fit its warps
+        _fit_delta(launch, args)
+    launch(*args)
     return delta
+
+
+def _fit_delta(launch: CachedLaunch, args: tuple) -> None:
+    """Put the first of :func:`tuning.preprocess_candidates` that this GPU loads without spilling
+    (:func:`course_lib.kernels.fit.choose`; the H100 keeps Triton's default 4 warps) into ``launch``'s
+    options, before its first launch compiles it."""
+    meta = {name: value for name, value in launch.meta.items() if name not in ("BLOCK_M", "num_warps", "num_stages")}
+    blocks = fit.choose(preprocess_kernel, tuning.preprocess_candidates(launch.meta["BLOCK_M"], meta["HEAD_DIM"]),
+                        args, meta, block_args=lambda b: {"BLOCK_M": b.block_m})
+    launch.meta.update(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def delta_tail(o, do) -> tuple:

@@ -63,7 +63,7 @@ import triton.language as tl
 from course_lib import runtime
 from course_lib.blockmask import UNBOUNDED, BlockMask
 from course_lib.kernels import fit, tiles, tuning
-from course_lib.kernels.backward import PREPROCESS_BLOCK_M, preprocess_kernel
+from course_lib.kernels.backward import delta_launch, run_delta
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E
 
@@ -696,10 +696,8 @@ def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
     acc_dtype, precision = kernel_dtypes(work, padded_head_dim(d))
     hd = padded_head_dim(d)
 
-    delta = torch.empty_like(lse)  # rowsum(dO ∘ O): chapter 07's preprocess kernel, as it is
-    preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK_M) * batch * heads,)](
-        ow, dow, delta, *ow.stride(), *dow.stride(), heads, n_q, HEAD_DIM_REAL=d, HEAD_DIM=hd,
-        ACC_DTYPE=acc_dtype, BLOCK_M=PREPROCESS_BLOCK_M)
+    # rowsum(dO ∘ O): chapter 07's preprocess kernel and launch (its config fitted to the GPU), as they are
+    delta = run_delta(delta_launch(ow.shape, acc_dtype), ow, dow, lse)
 
     dq = torch.empty((batch, heads, n_q, d), dtype=work, device=q.device)
     dk = torch.empty((batch, n_kv_heads, n_k, d), dtype=work, device=q.device)

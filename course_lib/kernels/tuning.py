@@ -187,12 +187,18 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
 # BLOCK_N of dK/dV) shrinks last: it sets how often K and V (or Q and dO) are re-read. Last, 8 warps
 # on small tiles: half the registers per thread (the fp32 masked backward at d = 32 and 64 spilled
 # 8 B on sm_80/86/89 with every 4-warp tile; with 8 warps, none; `reach --check`, 2026-11-27).
+# The very last dK/dV entry has one stage *more* than fp32 d = 256's table config (FP32_WIDE), on the
+# same tiles: sm_80's ptxas holds the 2-stage masked dK/dV kernel to 128 registers and spills 16 B,
+# and every smaller entry above spills too; with 3 stages it gives it 176 registers and spills nothing
+# (130 KiB: the A100 has 163; `reach --targets 80`, triton 3.7.1, ptxas 12.8, 2026-11-27; triton
+# 3.9.0's ptxas does not spill the table's config there). Being last, it is only tried where every
+# config before it spills or does not fit.
 _FALLBACKS = {
     "forward": [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2), Blocks(64, 32, 4, 2), Blocks(64, 32, 4, 1),
                 Blocks(32, 32, 4, 1)],
     "dkdv": [Blocks(64, 128, 8, 2), Blocks(32, 128, 4, 2), Blocks(32, 64, 4, 3), Blocks(32, 64, 4, 2),
              Blocks(32, 64, 4, 1), Blocks(32, 32, 4, 1), Blocks(16, 32, 4, 1), Blocks(32, 32, 8, 1),
-             Blocks(16, 32, 8, 1)],
+             Blocks(16, 32, 8, 1), Blocks(16, 32, 8, 3)],
     "dq": [Blocks(128, 64, 8, 2), Blocks(128, 32, 4, 2), Blocks(64, 32, 4, 3), Blocks(64, 32, 4, 2),
            Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1), Blocks(32, 16, 4, 1), Blocks(32, 32, 8, 1),
            Blocks(32, 16, 8, 1)],
@@ -215,6 +221,25 @@ def gpu_candidates(kernel: str, head_dim: int, element_size: int, seq_len: int |
                if b.block_m <= first.block_m and b.block_n <= first.block_n
                and acc_values_per_thread(getattr(b, owned), head_dim, b.num_warps) <= MAX_ACC_VALUES_PER_THREAD]
     return [first] + [b for b in smaller if b != first]
+
+
+# The backward's preprocess kernel (backward.preprocess_kernel, Δ = rowsum(dO ∘ O)): one (block_m,
+# HEAD_DIM) tile of O and of dO per program, no loop. First Triton's default launch options, 4 warps
+# and 3 stages: what the H100 ran in every recorded benchmark. Then 8 warps, half the values per
+# thread. Blackwell's ptxas spills the 4-warp kernel on sm_100: 8 B at fp16 d = 128 and fp32 d = 64
+# with triton 3.7.1 (ptxas 13.1; the same PTX and cubin in 10 compiles from an empty cache), 8-32 B
+# at fp16 d = 64 and bf16 d = 128 (and sm_120 bf16 d = 256) with triton 3.9.0; the 8-warp kernel
+# spills nothing on sm_80-sm_120 at any dtype and padded head dim 16-256 with either (cross-compiled,
+# 2026-11-27).
+PREPROCESS_WARPS = (4, 8)
+PREPROCESS_STAGES = 3  # Triton's default: the kernel has no loop to pipeline
+
+
+def preprocess_candidates(block_m: int, head_dim: int) -> list[Blocks]:
+    """The preprocess kernel's configs for :func:`course_lib.kernels.fit.choose`, in order: its
+    ``(block_m, head_dim)`` tile (``block_n`` holds the padded head dim) on each of
+    :data:`PREPROCESS_WARPS`."""
+    return [Blocks(block_m, head_dim, warps, PREPROCESS_STAGES) for warps in PREPROCESS_WARPS]
 
 
 # Decoding (kernels/decoding.py): the split kernel's tile is fixed by the query rows it owns and by
