@@ -781,6 +781,7 @@ def _chapter_08() -> list:
 
 def _chapter_09() -> list:
     from course_lib import fp8  # torch: imported when the questions are built, not at import
+    from course_lib import fp_emulation, hopper_results
 
     gpu = hardware.get_gpu("H100 SXM")
     exp_tflops = hardware.H100_EXP_TFLOPS
@@ -792,6 +793,10 @@ def _chapter_09() -> list:
     one_hot[d // 3] = outlier
     rotation = fp8.random_rotation(d, seed=0).numpy()
     peak = float(np.abs(one_hot @ rotation).max())  # outlier / √d
+    # FP32 instructions an SM issues in the time MUFU computes one exp2 (an FMA counts 2 FLOPs), and
+    # the recorded speed of the Gluon forward with 1 in 4 exponentials emulated (chapter 09, section 8).
+    fp32_per_exp = (gpu.fp32_tflops / 2) / exp_tflops
+    emulated = hopper_results.load_fa4()["summary"]["speed"]["pingpong/128/exp2_emu_1of4"]
     return [
         _move_answer(2, MultipleChoice(
             "With TMA, a kernel loads a K tile by handing the copy engine a descriptor and the "
@@ -887,24 +892,33 @@ def _chapter_09() -> list:
             ),
         ),
         _move_answer(3, MultipleChoice(
-            "A causal FlashAttention kernel runs its K/V loop in two stages: the tiles left of "
-            "the diagonal first, then the tiles on it. Why?",
+            "FlashAttention-4 computes some of its exponentials with a polynomial on the FMA units "
+            "and gains on a B200. Chapter 09 tried it in the Gluon forward on an H100: with 1 in 4 "
+            f"exponentials emulated the kernel ran at {emulated['median_x_baseline']:.3f}× its speed "
+            f"without (d = 128, median over {emulated['cells']} cells). Why does the trick pay on the "
+            "B200 but not on the H100?",
             choices=(
-                "Only the diagonal tiles need the causal mask: the rest run without it",
-                "The diagonal tiles are loaded with TMA, the others with pointers",
-                "The second stage recomputes the first stage's tiles in FP8",
-                "The tiles right of the diagonal are computed in the second stage, then dropped",
+                "B200 tensor cores outpace MUFU, so exp is its bottleneck; on the H100 it is not",
+                "The H100 has no FMA units outside its tensor cores, so the polynomial runs slowly",
+                "The B200's MUFU is slower than the H100's, so avoiding it pays more there",
+                "On the H100 the cubic is too coarse for fp16, so the kernel redoes wrong exponentials",
             ),
             answer=0,
             explanations=(
-                "In a tile left of the diagonal every key comes before every query: nothing to "
-                "mask. Two loops let the compiler drop the mask's index compares and selects "
-                "from most tiles (chapter 06's split); only the tiles that straddle the diagonal "
-                "(one per query tile when BLOCK_M = BLOCK_N) pay for them.",
-                "Every tile is loaded the same way; the split is about masking, not loading.",
-                "FP8 is a separate choice, and each tile is computed once.",
-                "Tiles right of the diagonal are never visited (causal tile skipping): every key "
-                "in them comes after every query.",
+                f"An {gpu.name} SM issues {fp32_per_exp:.1f} FP32 instructions in the time its MUFU "
+                f"computes one exp2, and one emulated exp2 costs about that many (the clamp, the "
+                f"floor, the fraction, {fp_emulation.EXP2_POLY_DEGREE} FMAs, the exponent add): a "
+                f"draw at best. The softmax already keeps those issue slots busy, while ping-pong "
+                f"hides MUFU's time under the other warpgroup's products, so the extra instructions "
+                f"lengthen the longer path. On a B200 the products of a score take half as long, the "
+                f"exponentials become the bottleneck, and FA4's softmax warps have slots to spare.",
+                f"The {gpu.name} has FP32 units beside its tensor cores ({gpu.fp32_tflops:g} TFLOP/s); "
+                f"the polynomial runs there. The trick did what it says: fewer ex2.approx in the PTX, "
+                f"{fp_emulation.EXP2_POLY_DEGREE} FMAs for each one removed.",
+                "MUFU's rate per SM is about the same on both. What changed is the tensor cores: "
+                "faster products leave the exponentials exposed on the B200.",
+                "Nothing is repeated: every exponential is computed once. After p is rounded to bf16 "
+                "or fp16 the cubic is within 1 ulp; it hurt lse (summed in fp32), not speed.",
             ),
         )),
         _move_answer(0, MultipleChoice(

@@ -1,11 +1,13 @@
 """Chapter 09's recorded H100 results: the file is there, complete, and read the way the notebook
-says (ablation steps, two-stage gain, FP8 speed and accuracy, compiler resources)."""
+says (ablation steps, two-stage gain, FP8 speed and accuracy, compiler resources); the Gluon
+forward's and backward's runs; FlashAttention-4's ablation (its record, the tables the notebook
+prints from it, and tools/gluon_ablation.py --record, which trims a full run into it)."""
 
 from __future__ import annotations
 
 import pytest
 
-from course_lib import decoding, hopper_results as hr
+from course_lib import bench, decoding, hopper_results as hr
 
 pytestmark = [pytest.mark.ch09]
 
@@ -179,3 +181,179 @@ def test_gluon_backward_missing_impl_and_file(tmp_path):
     partial = {"meta": data["meta"], "speed": [r for r in data["speed"] if r["impl"] != "sdpa_cudnn"]}
     assert all(line.rstrip().endswith("-") for line in hr.gluon_backward_table(partial).splitlines()[4:])
     assert hr.load_gluon_backward(tmp_path / "none.json") is None
+
+
+# ---------------------------------------------------------------- FlashAttention-4's two tricks (section 8)
+
+@pytest.fixture(scope="module")
+def fa4():
+    return hr.load_fa4()
+
+
+@pytest.fixture(scope="module")
+def ablation_tool():
+    """tools/gluon_ablation.py's names (its --record runs on any machine, without a GPU)."""
+    import runpy
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gluon_ablation.py"
+    return types.SimpleNamespace(**runpy.run_path(str(path)))
+
+
+FA4_RECORD_MAX_BYTES = 30_000  # the record stays small: the per-case errors stay in the full run
+
+
+def test_fa4_record_is_small_complete_and_names_where_and_how(fa4):
+    assert hr.FA4_FILE.stat().st_size <= FA4_RECORD_MAX_BYTES
+    line = hr.provenance(fa4)
+    assert "H100" in line and "driver 580" in line and "triton 3.6.0" in line and "2026-11-27" in line
+    assert bench.TIMER_NOTES["cudagraph"] in line
+    cells = fa4["speed"]["cells"]
+    assert len(cells) == 12  # fp16/bf16 x N 1k/4k/16k x causal
+    assert all(t > 0 for values in fa4["speed"]["tflops"].values() for t in values)
+    assert not fa4["skipped"] and not fa4["failed"] and not fa4["excluded"]
+    for name, facts in fa4["compile"].items():
+        assert {"ex2", "poly_fma", "registers", "spill_bytes"} <= set(facts), name
+
+
+def test_fa4_speed_summary_is_what_the_cells_give(fa4):
+    rows = hr.fa4_rows(fa4)
+    assert len(rows) == sum(len(v) for v in fa4["speed"]["tflops"].values())
+    assert hr.fa4_speed_summary(rows) == fa4["summary"]["speed"]
+    base = hr.fa4_ratios(rows, "pingpong/128/baseline", "sdpa_cudnn/128")
+    assert fa4["summary"]["speed"]["pingpong/128/baseline"]["min_x_cudnn"] == pytest.approx(min(base), abs=5e-4)
+
+
+def test_fa4_summary_table_shows_the_recorded_numbers(fa4):
+    lines = hr.fa4_summary_table(fa4).splitlines()
+    assert lines[0] == hr.provenance(fa4) and "16k tokens" in lines[1]
+    for name, s in fa4["summary"]["speed"].items():
+        if name.count("/") != 2:
+            continue
+        variant, d, config = name.split("/")
+        label = hr.fa4_label(fa4, config)
+        [line] = [x for x in lines if x.split("|")[0].split() == [variant, d, *label.split()]]
+        facts = fa4["compile"][name]
+        assert line.split("|")[1].split() == [str(facts[k]) for k in ("ex2", "poly_fma", "registers", "spill_bytes")]
+        assert line.split("|")[2].split() == [f"{s['median_x_cudnn']:.3f}", f"{s['min_x_cudnn']:.3f}"]
+        assert line.split("|")[3].strip() == f"{s['median_x_baseline']:.3f}"
+    library = fa4["summary"]["speed"]["course/64"]
+    assert any(x.startswith("Triton forward") and f"{library['median_x_cudnn']:.3f}" in x for x in lines)
+
+
+def test_fa4_cell_table_divides_each_config_by_the_baseline_in_its_cell(fa4):
+    cells = hr.fa4_cells(hr.fa4_rows(fa4))
+    for variant, d in fa4["meta"]["groups"]:
+        lines = hr.fa4_cell_table(fa4, variant, d).splitlines()
+        assert lines[0] == hr.provenance(fa4)
+        assert ("library" in lines[2]) == (d == 64)  # the library's forward was timed at d = 64 only
+        body = [x for x in lines if x.startswith(("float16", "bfloat16"))]
+        assert len(body) == len(fa4["speed"]["cells"])
+        timed = [c for c in fa4["meta"]["configs"]
+                 if c != "baseline" and f"{variant}/{d}/{c}" in fa4["speed"]["tflops"]]
+        for (dtype, n, causal), line in zip(fa4["speed"]["cells"], body):
+            base = cells[(f"{variant}/{d}/baseline", dtype, n, causal)]
+            cudnn = cells[(f"sdpa_cudnn/{d}", dtype, n, causal)]
+            assert line.split("|")[1].split() == [str(base), f"{base / cudnn:.3f}"]
+            assert line.split("|")[2].split() == [f"{cells[(f'{variant}/{d}/{c}', dtype, n, causal)] / base:.3f}"
+                                                  for c in timed]
+            assert line.split("|")[3].split()[-1] == str(cudnn)
+    with pytest.raises(ValueError, match="variant, d"):
+        hr.fa4_cell_table(fa4, "tma", 128)
+
+
+def test_fa4_accuracy_table_counts_each_kind_of_input(fa4):
+    lines = hr.fa4_accuracy_table(fa4).splitlines()
+    assert lines[0] == hr.provenance(fa4) and "±500" in lines[1] and "2.0 x SDPA" in lines[1]
+    body = lines[4:]
+    assert len(body) == len(fa4["summary"]["accuracy"])
+    for (name, a), line in zip(fa4["summary"]["accuracy"].items(), body):
+        kinds = a["by_inputs"]
+        assert sum(k["passed"] for k in kinds.values()) == a["passed"]
+        assert sum(k["cases"] for k in kinds.values()) == a["cases"]
+        assert line.split("|")[1].split() == [f"{kinds[k]['passed']}/{kinds[k]['cases']}" for k in ("ordinary", "fuzz")]
+        assert line.split("|")[2].split() == [f"{a['worst_o_x_sdpa']:.2f}", f"{a['worst_lse_x_sdpa']:.2f}"]
+        skipped = a.get("rescale_skipped")
+        assert (line.split("|")[3].split() == ["-", "-"]) == (skipped is None), line
+    # what chapter 09 says about them: the cubic fails lse on ordinary inputs, the quintic and the baseline pass
+    acc = fa4["summary"]["accuracy"]
+    for d in (64, 128):
+        assert acc[f"pingpong/{d}/baseline"]["passed"] == acc[f"pingpong/{d}/baseline"]["cases"]
+        assert acc[f"pingpong/{d}/exp2_emu_2of4_deg5"]["passed"] == acc[f"pingpong/{d}/exp2_emu_2of4_deg5"]["cases"]
+        assert acc[f"pingpong/{d}/exp2_emu_1of4"]["by_inputs"]["ordinary"]["passed"] == 0
+
+
+def test_fa4_labels_come_from_the_switches(fa4):
+    assert [hr.fa4_label(fa4, c) for c in fa4["meta"]["configs"]] == [
+        "baseline", "τ=8", "exp2 1/4", "exp2 2/4", "τ=8 + exp2 1/4", "τ=8 + exp2 2/4", "exp2 2/4 deg 5"]
+
+
+def test_fa4_missing_file(tmp_path):
+    assert hr.load_fa4(tmp_path / "nothing.json") is None
+
+
+def _full_run(tool) -> dict:
+    """A small full run in tools/gluon_ablation.py's --out format: one group, two configs, two cells."""
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.0", "torch": "2.11.0", "triton": "3.6.0",
+            "date": "2026-11-27", "timer": "cudagraph", "seq_lens": [1024], "configs": tool.CONFIGS,
+            "groups": [["pingpong", 64]], "fuzz_logit": 500.0, "rule": "ok iff ..."}
+    speed = [{"impl": impl, "d": 64, "dtype": "float16", "N": 1024, "causal": causal, "tflops": t}
+             for impl, ts in (("sdpa_cudnn/64", (400.0, 300.0)), ("pingpong/64/baseline", (360.0, 240.0)),
+                              ("pingpong/64/rescale_tau8", (342.0, 240.0)))
+             for causal, t in zip((False, True), ts)]
+    errors = [{"variant": "pingpong", "d": 64, "config": config, "inputs": kind, "o_err": o, "lse_err": 1e-6,
+               "sdpa_o_err": 1e-3, "sdpa_lse_err": 1e-6, "ok": o <= 2e-3,
+               **({"rescale_skipped": skip} if config == "rescale_tau8" else {})}
+              for config, kind, o, skip in (("baseline", "ordinary", 1e-3, None), ("baseline", "fuzz", 1e-3, None),
+                                            ("rescale_tau8", "ordinary", 1e-3, 1.0),
+                                            ("rescale_tau8", "fuzz", 3e-3, 0.01))]
+    facts = {"registers": 168, "spill_bytes": 0, "shared_bytes": 115024, "ex2": 260, "poly_fma": 0,
+             "guarded_mul_f32": 0, "setmaxnreg": ["inc 240"], "wgmma": 48, "triton": "3.6.0"}
+    failed = {"error": "CompilationError: ..."}  # a config whose check child could not compile it
+    return {"meta": meta, "compile": {"pingpong/64/baseline": facts, "pingpong/64/exp2_emu_1of4": failed},
+            "errors": errors, "speed": speed,
+            "skipped": [], "failed": [], "excluded": []}
+
+
+def test_record_trims_a_full_run_and_the_reader_reads_it_back(ablation_tool, tmp_path):
+    import json
+
+    full = _full_run(ablation_tool)
+    path = tmp_path / "full.json"
+    path.write_text(json.dumps(full))
+    data = ablation_tool.write_record(path, tmp_path / "record.json")
+    assert hr.load_fa4(tmp_path / "record.json") == data
+    assert data["speed"]["cells"] == [["float16", 1024, False], ["float16", 1024, True]]
+    assert sorted(map(str, hr.fa4_rows(data))) == sorted(map(str, full["speed"]))  # the cells survive the round trip
+    assert set(data["compile"]["pingpong/64/baseline"]) == set(ablation_tool.RECORD_COMPILE_KEYS) - {"error"}
+    assert data["compile"]["pingpong/64/exp2_emu_1of4"] == full["compile"]["pingpong/64/exp2_emu_1of4"]
+    assert data["meta"]["tokens"] == bench.TOKENS and data["meta"]["exp2_pack"] >= 1
+    speed = data["summary"]["speed"]["pingpong/64/rescale_tau8"]
+    assert speed == {"cells": 2, "median_x_cudnn": round((342 / 400 + 240 / 300) / 2, 3),
+                     "min_x_cudnn": 0.8, "median_x_baseline": round((342 / 360 + 1.0) / 2, 3)}
+    acc = data["summary"]["accuracy"]["pingpong/64/rescale_tau8"]
+    assert acc["passed"] == 1 and acc["by_inputs"]["fuzz"] == {"passed": 0, "cases": 1, "worst_o_x_sdpa": 3.0,
+                                                               "worst_lse_x_sdpa": 1.0}
+    assert acc["rescale_skipped"]["fuzz"] == {"min": 0.01, "median": 0.01, "max": 0.01}
+    assert "rescale_skipped" not in data["summary"]["accuracy"]["pingpong/64/baseline"]
+    assert "τ=8" in ablation_tool.report(data)
+
+
+def test_record_refuses_a_file_that_is_not_a_full_run(ablation_tool, tmp_path):
+    path = tmp_path / "record_not_run.json"
+    path.write_text('{"meta": {}, "speed": []}')
+    with pytest.raises(ValueError, match=r"full_path .*record_not_run.json lacks \['compile', 'errors'\]"):
+        ablation_tool.write_record(path, tmp_path / "out.json")
+
+
+def test_cudnn_standing_reads_the_recorded_grids_and_the_targets():
+    rows = hr.cudnn_standing()
+    assert {(r["timer"], r["pass"]) for r in rows} == {(t, p) for t in hr.CUDNN_TARGETS for p in bench.PASSES}
+    for r in rows:
+        ratios = bench.ratios(bench.load_recorded("h100", r["timer"]), r["pass"], baseline="sdpa_cudnn")
+        assert r["cells"] == len(ratios) == 24 and r["min"] == min(ratios)
+        assert r["target_min"] == hr.CUDNN_TARGETS[r["timer"]]["min"]
+    text = hr.cudnn_standing_table()
+    assert bench.TIMER_NOTES["cudagraph"] in text and bench.TIMER_NOTES["eager"] in text
+    assert "(≥ 1.00)" in text and "(≥ 0.85)" in text and "(no target)" in text

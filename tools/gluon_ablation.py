@@ -31,6 +31,14 @@ the library keeps chapter 06's Triton forward at d = 64; it is timed beside them
 
 Each child runs with a time limit and is killed if silent (a kernel waiting on a barrier that
 never completes), by ``tools/gluon_forward.py``'s child runner.
+
+The full output (``--out``, ~140 KB: every case's errors) stays out of the repository. What
+chapter 09 shows is a trimmed record of it, made on any machine without a GPU:
+
+    python tools/gluon_ablation.py --record ablation.json   # writes course_lib/data/benchmarks/h100_fa4_ablation.json
+
+(:func:`record`: the meta, the compiled kernels' facts, the timed cells, the speed and accuracy
+summaries; :mod:`course_lib.hopper_results` reads and prints it.)
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import gluon_forward  # noqa: E402  (tools/: the child runner and the cell timer)
 
-from course_lib import bench, constants  # noqa: E402
+from course_lib import bench, constants, hopper_results  # noqa: E402
 from course_lib.kernels import gluon_hopper, tuning  # noqa: E402
 
 TAU = gluon_hopper.MAX_RESCALE_TAU  # 8 (log2 units): the largest threshold the kernel allows, the most skipping
@@ -82,6 +90,7 @@ FACTS_CASE = ("float16", True, CHECK_SHAPES[1][2])  # the compiled kernel whose 
 FUZZ_LOGIT = 500.0  # the fuzz scales q and k so that the largest |scale · q·k| is this
 SDPA_ERROR_FACTOR = 2.0  # FlashAttention's rule: at most twice the reference kernel's error in the same precision
 SEED = 0
+TINY = 1e-30  # a floor for SDPA's error when dividing by it (an exact SDPA result would divide by 0)
 
 BUDGET_S = 330  # seconds for the whole run: the work is planned to end within 6 minutes on an H100
 PARALLEL_CHECKS = 12  # check children at once (compiles are CPU work, 16 cores; the GPU work is small)
@@ -277,24 +286,12 @@ def _merge(result: dict, part: dict) -> None:
     result["speed"] += part["speed"]
 
 
-def _cells(rows: list[dict]) -> dict:
-    """``{(impl, dtype, N, causal): tflops}`` of the rows that were timed."""
-    return {(r["impl"], r["dtype"], r["N"], r["causal"]): r["tflops"] for r in rows if r.get("tflops")}
-
-
-def ratios_to(rows: list[dict], impl: str, baseline: str) -> list[float]:
-    """``impl``'s TFLOP/s over ``baseline``'s in every cell both have."""
-    cells = _cells(rows)
-    return [t / cells[(baseline, *key[1:])] for key, t in cells.items()
-            if key[0] == impl and (baseline, *key[1:]) in cells]
-
-
 def faster_fraction(rows: list[dict], variant: str, d: int) -> str:
     """Which emulated fraction (config name) timed faster at ``(variant, d)``: the higher median ratio
     to the baseline; the first when neither was timed."""
     medians = {}
     for config in EMULATION_CONFIGS:
-        r = ratios_to(rows, f"{variant}/{d}/{config}", f"{variant}/{d}/baseline")
+        r = hopper_results.fa4_ratios(rows, f"{variant}/{d}/{config}", f"{variant}/{d}/baseline")
         if r:
             medians[config] = statistics.median(r)
     return max(medians, key=medians.get) if medians else next(iter(EMULATION_CONFIGS))
@@ -316,61 +313,96 @@ def speed_plan(rows: list[dict], excluded: set) -> list[list[str]]:
     return [[item for item in items if item not in excluded] for items in plan]
 
 
-def speed_table(rows: list[dict], variant: str, d: int) -> str:
-    """TFLOP/s per cell of each config of one group, ×cuDNN in parentheses (and the library at d = 64)."""
-    cells = _cells(rows)
-    impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i.startswith(f"{variant}/{d}/")]
-    extra = [f"course/{d}"] if d == 64 and any(k[0] == f"course/{d}" for k in cells) else []
-    names = [i.split("/")[-1] for i in impls] + ["course (Triton)" for _ in extra] + ["cuDNN"]
-    lines = [f"  {'dtype':9} {'N':>6} {'causal':6} " + " ".join(f"{name[:18]:>18}" for name in names)]
-    keys = sorted({k[1:] for k in cells if k[0] in impls}, key=lambda k: (k[0], k[1], k[2]))
-    for dtype, n, causal in keys:
-        cudnn = cells.get((f"sdpa_cudnn/{d}", dtype, n, causal))
-        cols = []
-        for impl in impls + extra:
-            t = cells.get((impl, dtype, n, causal))
-            cols.append(f"{'-':>18}" if t is None else f"{t:8.1f} ({t / cudnn:.2f}x)".rjust(18) if cudnn
-                        else f"{t:18.1f}")
-        cols.append(f"{cudnn:18.1f}" if cudnn else f"{'-':>18}")
-        lines.append(f"  {dtype:9} {n:>6} {causal!s:6} " + " ".join(cols))
-    return "\n".join(lines)
+def _accuracy(rows: list[dict]) -> dict:
+    """Cases passed, cases, and the worst o and lse errors as multiples of SDPA's, over ``rows``."""
+    judged = [r for r in rows if "sdpa_o_err" in r]
+    worst = lambda key: round(max((r[key] / max(r["sdpa_" + key], TINY) for r in judged), default=0.0), 2)  # noqa: E731
+    return {"passed": sum(bool(r.get("ok")) for r in rows), "cases": len(rows),
+            "worst_o_x_sdpa": worst("o_err"), "worst_lse_x_sdpa": worst("lse_err")}
 
 
 def summary(result: dict) -> dict:
-    """Per timed impl: median and min ratio to cuDNN and median ratio to its group's baseline; per
-    checked config: cases passed, worst error ratios to SDPA, median rescale-skip fraction by input kind."""
-    rows = result["speed"]
-    speed = {}
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        if impl.startswith("sdpa_cudnn"):
-            continue
-        d = impl.split("/")[1]
-        vs_cudnn = ratios_to(rows, impl, f"sdpa_cudnn/{d}")
-        vs_base = ratios_to(rows, impl, "/".join(impl.split("/")[:2] + ["baseline"])) if impl.count("/") == 2 else []
-        speed[impl] = {"cells": len(vs_cudnn),
-                       "median_x_cudnn": round(statistics.median(vs_cudnn), 3) if vs_cudnn else None,
-                       "min_x_cudnn": round(min(vs_cudnn), 3) if vs_cudnn else None,
-                       "median_x_baseline": round(statistics.median(vs_base), 3) if vs_base else None}
-    accuracy = {}
+    """Per timed impl: median and min ratio to cuDNN and median ratio to its group's baseline
+    (:func:`course_lib.hopper_results.fa4_speed_summary`); per checked config: cases passed and
+    the worst error ratios to SDPA, overall and by input kind, and with conditional rescaling the
+    fraction of rescales skipped per input kind (min, median, max over the cases)."""
+    by_config: dict = {}
     for r in result["errors"]:
-        a = accuracy.setdefault(f"{r['variant']}/{r['d']}/{r['config']}", {
-            "passed": 0, "cases": 0, "worst_o_x_sdpa": 0.0, "worst_lse_x_sdpa": 0.0, "skipped": {}})
-        a["cases"] += 1
-        a["passed"] += bool(r.get("ok"))
-        if "sdpa_o_err" in r:
-            a["worst_o_x_sdpa"] = round(max(a["worst_o_x_sdpa"], r["o_err"] / max(r["sdpa_o_err"], 1e-30)), 2)
-            a["worst_lse_x_sdpa"] = round(max(a["worst_lse_x_sdpa"], r["lse_err"] / max(r["sdpa_lse_err"], 1e-30)), 2)
-        if "rescale_skipped" in r:
-            a["skipped"].setdefault(r["inputs"], []).append(r["rescale_skipped"])
-    for a in accuracy.values():
-        for kind, skipped in a.pop("skipped").items():
-            a[f"median_rescale_skipped_{kind}"] = round(statistics.median(skipped), 4)
-    return {"speed": speed, "accuracy": accuracy}
+        by_config.setdefault(f"{r['variant']}/{r['d']}/{r['config']}", []).append(r)
+    accuracy = {}
+    for name, rows in by_config.items():
+        kinds = list(dict.fromkeys(r["inputs"] for r in rows))
+        a = {**_accuracy(rows), "by_inputs": {k: _accuracy([r for r in rows if r["inputs"] == k]) for k in kinds}}
+        skipped = {k: [r["rescale_skipped"] for r in rows if r["inputs"] == k and "rescale_skipped" in r]
+                   for k in kinds}
+        if any(skipped.values()):
+            a["rescale_skipped"] = {k: {"min": round(min(v), 4), "median": round(statistics.median(v), 4),
+                                        "max": round(max(v), 4)} for k, v in skipped.items() if v}
+        accuracy[name] = a
+    return {"speed": hopper_results.fa4_speed_summary(result["speed"]), "accuracy": accuracy}
+
+
+# What the record keeps of each compiled kernel's facts (gluon_hopper.kernel_facts): enough to see
+# each switch in the PTX (ex2.approx count, the polynomial's FMAs, the guarded rescale) and the cost
+# in registers, spills and shared memory; or the error of a config that did not compile.
+RECORD_COMPILE_KEYS = ("registers", "spill_bytes", "shared_bytes", "ex2", "poly_fma", "guarded_mul_f32", "triton",
+                       "error")
+
+
+def record(full: dict) -> dict:
+    """The trimmed record of one full run (``--out``'s JSON): what
+    ``course_lib/data/benchmarks/h100_fa4_ablation.json`` holds and :mod:`course_lib.hopper_results` reads.
+
+    Keeps the meta (with the grid's tokens and model width and the exp2 pack size of the kernel
+    that ran, for runs whose meta predates them), the compiled kernels' facts of
+    :data:`RECORD_COMPILE_KEYS`, the timed cells as columns (``speed["cells"]``: ``[dtype, N,
+    causal]``; ``speed["tflops"]``: impl -> one value per cell, None where not timed), the summary
+    recomputed from the full run's rows (:func:`summary`), and the lists of what was skipped,
+    failed or excluded. Drops the per-case errors (the summary keeps their verdicts).
+    """
+    cells = list(dict.fromkeys((r["dtype"], r["N"], r["causal"]) for r in full["speed"]))
+    timed = hopper_results.fa4_cells(full["speed"])
+    impls = list(dict.fromkeys(r["impl"] for r in full["speed"]))
+    meta = {**full["meta"]}
+    meta.setdefault("tokens", bench.TOKENS)
+    meta.setdefault("model_dim", bench.MODEL_DIM)
+    meta.setdefault("exp2_pack", gluon_hopper.EXP2_PACK)
+    meta["record"] = "trimmed from the full run by tools/gluon_ablation.py --record"
+    return {"meta": meta,
+            "compile": {name: {k: facts[k] for k in RECORD_COMPILE_KEYS if k in facts}
+                        for name, facts in full["compile"].items()},
+            "speed": {"cells": [list(c) for c in cells],
+                      "tflops": {impl: [timed.get((impl, *c)) for c in cells] for impl in impls}},
+            "summary": summary(full),
+            **{key: full.get(key, []) for key in ("skipped", "failed", "excluded")}}
+
+
+def write_record(full_path: Path | str, out: Path | str = hopper_results.FA4_FILE) -> dict:
+    """Read a full run's JSON at ``full_path``, write its :func:`record` to ``out``, return it."""
+    full = json.loads(Path(full_path).read_text())
+    missing = {"meta", "compile", "errors", "speed"} - set(full)
+    if missing:
+        raise ValueError(f"full_path must be a full run of tools/gluon_ablation.py (--out), "
+                         f"{full_path} lacks {sorted(missing)}")
+    data = record(full)
+    Path(out).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def report(data: dict) -> str:
+    """What a run found, as chapter 09 shows it: the summary, each group's cells, the accuracy."""
+    tables = [hopper_results.fa4_summary_table(data)]
+    tables += [hopper_results.fa4_cell_table(data, v, d) for v, d in data["meta"]["groups"]
+               if f"{v}/{d}/baseline" in data["speed"]["tflops"]]
+    return "\n\n".join(tables + [hopper_results.fa4_accuracy_table(data)])
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", help="write the results as JSON here (with --record: the record, by default "
+                                          f"{hopper_results.FA4_FILE.relative_to(ROOT)})")
+    parser.add_argument("--record", metavar="FULL_JSON", help="no GPU work: trim a full run's JSON (an earlier "
+                                                               "--out) into chapter 09's record and print its tables")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting work after this many seconds")
     parser.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)), help="N of the timed cells")
     parser.add_argument("--no-speed", action="store_true", help="checks only")
@@ -383,6 +415,12 @@ def main(argv=None) -> dict:
             json.dump(out, f)
         return out
 
+    if args.record:
+        data = write_record(args.record, args.out or hopper_results.FA4_FILE)
+        print(report(data))
+        print("wrote", args.out or hopper_results.FA4_FILE)
+        return data
+
     import torch
 
     if not torch.cuda.is_available():
@@ -391,6 +429,7 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     seq_lens = [int(n) for n in args.seq_lens.split(",")]
     result = {"meta": {**bench.machine_meta(), "timer": "cudagraph", "seq_lens": seq_lens, "budget_s": args.budget_s,
+                       "tokens": bench.TOKENS, "model_dim": bench.MODEL_DIM, "exp2_pack": gluon_hopper.EXP2_PACK,
                        "configs": CONFIGS, "groups": [list(g) for g in GROUPS], "fuzz_logit": FUZZ_LOGIT,
                        "rule": f"ok iff o_err and lse_err <= {SDPA_ERROR_FACTOR} x SDPA flash's (float64 reference)"},
               "compile": {}, "errors": [], "speed": [], "skipped": [], "failed": []}
@@ -451,16 +490,8 @@ def main(argv=None) -> dict:
     print("\n== compiled kernels (fp16, causal, N=1024, H=16) ==")
     for name, facts in result["compile"].items():
         print(f"  {name:32} {facts}")
-    for v, d in GROUPS:
-        if any(r["impl"].startswith(f"{v}/{d}/") for r in result["speed"]):
-            print(f"\n== forward TFLOP/s (x SDPA cuDNN), {v}, d={d}, B·N=16k tokens, H·d=2048, CUDA-graph median ==")
-            print(speed_table(result["speed"], v, d))
-    print("\n== speed summary ==")
-    for impl, s in result["summary"]["speed"].items():
-        print(f"  {impl:32} {s}")
-    print(f"\n== accuracy ({result['meta']['rule']}; fuzz logits up to ±{FUZZ_LOGIT:g}) ==")
-    for name, a in result["summary"]["accuracy"].items():
-        print(f"  {name:32} {a}")
+    print()
+    print(report(record(result)))
     if result["skipped"] or result["failed"]:
         print(f"\n  not timed (budget): {result['skipped']}; failed: {result['failed']}")
     print(f"\n  wall time {result['meta']['wall_s']} s")
