@@ -277,6 +277,59 @@ class MemoryGuard:
 
     def __init__(self):
         self.regions: list[_Region] = []
+        # name -> {program: flat element offsets it stored} (outputs only: evidence of coverage)
+        self.stores: dict[str, dict[tuple, list]] = {}
+
+    def _record_store(self, lanes: np.ndarray, program) -> None:
+        program = tuple(int(i) for i in program)
+        for r in self.regions:
+            if not r.write:
+                continue
+            inside = lanes[r.contains(lanes)]
+            if inside.size:
+                self.stores.setdefault(r.name, {}).setdefault(program, []).append(
+                    (inside.astype(np.int64) - r.base) // r.itemsize)
+
+    def coverage(self, name: str, view: torch.Tensor, limit: int = 3) -> str:
+        """Which elements of output ``name`` (``view``) each program stored, for a diagnosis of
+        elements never written: the first ``limit`` programs' spans (first and last index) and
+        how far apart consecutive programs' first elements are when that is one number."""
+        found = self.stores.get(name)
+        if not found:
+            return f"no program stored anything into `{name}`"
+        strides, shape = view.stride(), tuple(view.shape)
+
+        def index(offset: int) -> tuple:
+            out = []
+            for st in strides:
+                out.append(offset // st if st else 0)
+                offset -= out[-1] * st
+            return tuple(out)
+
+        def show(i: tuple):
+            return i[0] if len(i) == 1 else i
+
+        programs = sorted(found)
+        spans = {p: np.unique(np.concatenate(found[p])) for p in programs}
+        used = max((i + 1 for p in programs for i, v in enumerate(p) if v), default=1)
+
+        def pid(p: tuple) -> str:  # the grid's axes that any program has a non-zero id on
+            return str(p[0]) if used == 1 else str(p[:used])
+
+        lines = [f"program {pid(p)}: {spans[p].size} element(s), "
+                 f"{show(index(int(spans[p][0])))}–{show(index(int(spans[p][-1])))}"
+                 for p in programs[:limit]]
+        firsts = [int(spans[p][0]) for p in programs]
+        said = f"the programs' stores into `{name}` {tuple(shape)}: " + "; ".join(lines)
+        if len(programs) > limit:
+            said += f"; … ({len(programs)} programs stored)"
+        steps = set(np.diff(firsts).tolist())
+        if len(programs) > 1 and all(np.array_equal(spans[p], spans[programs[0]]) for p in programs):
+            said += f" — all {len(programs)} programs stored the same elements"
+        elif len(programs) > 1 and len(steps) == 1:
+            said += (f" — consecutive programs' first elements are {steps.pop()} element(s) "
+                     f"apart")
+        return said
 
     def allow(self, name: str, t: torch.Tensor, write: bool = False) -> torch.Tensor:
         """Let the kernel read ``t``'s elements (and write them if ``write``); returns ``t``."""
@@ -301,6 +354,8 @@ class MemoryGuard:
                 continue
             ok |= r.contains(lanes)
         if ok.all():
+            if write:
+                self._record_store(lanes, program)
             return
         bad = lanes[~ok]
         program = tuple(int(i) for i in program)
@@ -510,6 +565,14 @@ class MemoryGuard:
                 f"needs a mask on its rows (mask=offs_m[:, None] < n"
                 f"{'' if write else ', other=0.0'})",
                 dict(tensor=r.name, index=idx, kind="past the end"))
+
+
+def _coverage_line(guard, name: str, view: torch.Tensor) -> str:
+    """``"\n  evidence: <what each program stored>"`` from the guard of the launch (interpreter
+    only; empty on a GPU, where nothing is recorded)."""
+    if guard is None or not _runtime().interpreted:
+        return ""
+    return f"\n  evidence: {guard.coverage(name, view)}"
 
 
 def _strides_nest(strides: tuple, shape: tuple) -> bool:
@@ -737,6 +800,7 @@ class GuardedRun:
             outs.append((view, buffer))
         names = self._input_names(len(inputs))
         with warnings.catch_warnings(), memory_guard() as guard:  # NumPy overflow warnings: we diagnose
+            self.last_guard = guard
             warnings.simplefilter("ignore", RuntimeWarning)
             for name, view in zip(names, views):
                 guard.allow(name, view)
@@ -768,7 +832,9 @@ class GuardedRun:
                 first = tuple(int(i) for i in unwritten[0])
                 raise KernelProblem(f"{len(unwritten)} element(s) of {spec.name} "
                                     f"{tuple(view.shape)} were never written (first at index "
-                                    f"{first}) — {self.coverage_hint}")
+                                    f"{first}) — {self.coverage_hint}"
+                                    + _coverage_line(getattr(self, "last_guard", None),
+                                                     spec.name, view))
             results.append(view.clone())
         if any(not torch.isfinite(r).all() for r in results) and all(
                 torch.isfinite(x).all() for x in inputs):
@@ -1038,6 +1104,7 @@ class LayoutRun:
         errstate = (np.errstate(over="raise", divide="raise", invalid="raise", under="ignore")
                     if trace else contextlib.nullcontext())
         with warnings.catch_warnings(), errstate, memory_guard() as guard:
+            self.last_guard = guard
             warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings
             for name, (view, _) in zip(self.names, placed):
                 guard.allow(name, view)
@@ -1079,7 +1146,9 @@ class LayoutRun:
                 where = f"\n  {spec.locate(first, **params)}" if spec.locate else ""
                 raise KernelProblem(f"{int(unwritten.sum())} of the {view.numel()} elements of "
                                     f"{spec.name} {tuple(view.shape)} were never written; the "
-                                    f"first at index {first}{where}")
+                                    f"first at index {first}{where}"
+                                    + _coverage_line(getattr(self, "last_guard", None), spec.name,
+                                                     view))
             results.append(view.clone())
         if any(not torch.isfinite(r).all() for r in results) and all(
                 torch.isfinite(x).all() for x in inputs):

@@ -232,3 +232,21 @@ def test_a_layout_run_that_faults_on_another_tensor_names_whose_strides_it_used(
     line = kernel_checks.layout_experiments(correct, case, ("q", "o"), dense_right=True)
     assert "goes out of bounds on `o`, whose layout did not change: `o`'s offsets use `q`'s strides" \
         in line, line
+
+
+@triton.jit
+def overlapping_blocks_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) + tl.arange(0, BLOCK)  # pid not multiplied by BLOCK
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_a_guard_tells_which_elements_each_program_stored():
+    x, y = torch.randn(40), torch.empty(40)
+    with memory_guard() as guard:
+        guard.allow("x", x)
+        guard.allow("y", y, write=True)
+        overlapping_blocks_kernel[(3,)](x, y, 40, BLOCK=8)
+    text = guard.coverage("y", y)
+    assert "program 0: 8 element(s), 0–7; program 1: 8 element(s), 1–8; program 2" in text, text
+    assert "consecutive programs' first elements are 1 element(s) apart" in text
+    assert guard.coverage("x", x) == "no program stored anything into `x`"
