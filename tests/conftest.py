@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -18,6 +19,18 @@ def pytest_configure(config):
     from course_lib import runtime
 
     runtime.setup(verbose=False)
+
+
+# Workers per core for ``-n auto``: one more worker than cores keeps both cores busy while a
+# worker waits on a child process of its own (a notebook kernel, a cross-compile, a grading run).
+EXTRA_WORKERS = 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): the cores this process may use, plus
+    :data:`EXTRA_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) + EXTRA_WORKERS
 
 
 def pytest_collection_modifyitems(config, items):

@@ -240,11 +240,11 @@ def test_the_a100_fits_the_fp32_d256_masked_dkdv_without_spills(tmp_path):
     the table's 2-stage masked dK/dV kernel (fp32, d = 256) to 128 registers and spills 16 B, where
     the H100 spills none; every smaller fallback spills too. The same tiles with one stage more get
     176 registers and no spill, and fit on the A100 (163 KiB). The H100 keeps the table's config."""
-    rows, _ = _reach(tmp_path, "--targets", "80,90", "--dtypes", "float32", "--head-dims", "256",
+    # sm_80 alone (the H100's rows are compiled, and kept, by the tests around this one)
+    rows, _ = _reach(tmp_path, "--targets", "80", "--dtypes", "float32", "--head-dims", "256",
                      "--families", "masked", "--causal", "0")
     dkdv = {r["target"]: r for r in rows if r["kernel"] == "masked_dkdv_kernel"}
     table = [16, 32, 8, 2]  # tuning.FP32_WIDE["dkdv"], the configuration the H100 ran
-    assert dkdv[90]["config"] == dkdv[90]["table"] == table and dkdv[90]["spill_bytes"] == 0
     a100 = dkdv[80]
     assert a100["table"] == table and a100["config"] == [16, 32, 8, 3], a100
     assert a100["spill_bytes"] == 0
@@ -252,7 +252,6 @@ def test_the_a100_fits_the_fp32_d256_masked_dkdv_without_spills(tmp_path):
     tried = {tuple(config): spills for config, _, spills in a100["tried"]}
     assert tried[tuple(table)] > 0  # the table's config was tried first and spilled
     assert all(spills != 0 for config, spills in tried.items() if config != (16, 32, 8, 3))
-    assert all(r["config"] == r["table"] for r in rows if r["target"] == 90 and r["table"] is not None)
 
 
 def test_the_b200_fits_the_preprocess_kernel_without_spills(tmp_path):
