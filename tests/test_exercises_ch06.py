@@ -238,7 +238,7 @@ def test_acc_not_rescaled_written_differently_is_still_named():
 
 def test_wrong_sign_correction_gives_a_nan_diagnosis():
     # NumPy sees the kernel's operations only in the interpreter; a GPU shows the NaN outputs
-    _judged(ch06.check_online_softmax, (update_wrong_sign, ch06.finish_rows), None, *expect(
+    _judged(ch06.check_online_softmax, (update_wrong_sign, ch06.finish_rows), ch06.ALPHA_INVERTED, *expect(
         cpu=("NaN/inf", "the first invalid operation NumPy saw", "at line"),
         gpu=("wrong answer on case 1 of 5", "NaN/inf where the answer is finite")))
 

@@ -190,6 +190,24 @@ def _update_no_scale(s, v, m_i, l_i, acc, scale):
 
 
 @triton.jit
+def _update_alpha_inverted(s, v, m_i, l_i, acc, scale):
+    s = s * scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_new - m_i)  # the inverse of the rescale (inf on the first tile)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _update_keeps_old_max(s, v, m_i, l_i, acc, scale):
+    s = s * scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_i, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _finish_no_division(acc, m_i, l_i):
     return acc, m_i + tl.log(l_i)
 
@@ -202,6 +220,12 @@ def _finish_lse_without_max(acc, m_i, l_i):
 FORGOT_RESCALE_ACC = ("acc is not rescaled: when the running max grows, the old acc (a sum of "
                       "exp(s - m_old)·v) must be multiplied by alpha = exp(m_old - m_new) too")
 FORGOT_RESCALE_L = "l_i is not rescaled: l_new = l_i · alpha + rowsum(p), alpha = exp(m_old - m_new)"
+ALPHA_INVERTED = ("alpha = exp(m_new - m_i) is the inverse of the rescale: the old state shrinks by "
+                  "exp(m_old - m_new) ≤ 1 when the max grows (on the first tile m_i = -inf makes "
+                  "this one inf, and 0 · inf = NaN)")
+OLD_MAX_RETURNED = ("the update returns the old m_i instead of m_new: the running max never "
+                    "advances, so the next tile rescales by exp(m_i - m_new) against a max that "
+                    "was never kept (the state stays -inf, and alpha wipes it)")
 FORGOT_FINAL_DIVISION = ("the final 1/l is missing: acc holds the unnormalised sum Σ exp(s - m)·v; "
                          "o = acc / l_i[:, None]")
 
@@ -212,6 +236,8 @@ UPDATE_MISTAKES = {
     "same reference the rescaled old state uses": (_update_tile_own_max, finish_rows),
     "the scores are not multiplied by scale (the kernel passes raw q·kᵀ)":
         (_update_no_scale, finish_rows),
+    OLD_MAX_RETURNED: (_update_keeps_old_max, finish_rows),
+    ALPHA_INVERTED: (_update_alpha_inverted, finish_rows),
     FORGOT_FINAL_DIVISION: (update_tile, _finish_no_division),
     "lse must include the running max: lse = m_i + log(l_i), since l_i is a sum of exp(s - m_i)":
         (update_tile, _finish_lse_without_max),
@@ -405,6 +431,24 @@ def _update_exp_with_log2e(s, v, m_i, l_i, acc, scale):
 
 
 @triton.jit
+def _update_exp2_alpha_exp(s, v, m_i, l_i, acc, scale):
+    s = s * (scale * LOG2_E)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)  # base e on maxima in log2 units
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _update_exp2_keeps_old_max(s, v, m_i, l_i, acc, scale):
+    s = s * (scale * LOG2_E)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_i, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _finish_exp2_lse_in_log2(acc, m_i, l_i):
     return acc / l_i[:, None], m_i + tl.math.log2(l_i)
 
@@ -414,17 +458,35 @@ def _finish_exp2_lse_times_log2e(acc, m_i, l_i):
     return acc / l_i[:, None], (m_i + tl.math.log2(l_i)) * LOG2_E
 
 
+@triton.jit
+def _finish_exp2_lse_log2_of_l(acc, m_i, l_i):
+    return acc / l_i[:, None], m_i / LOG2_E + tl.math.log2(l_i)
+
+
+@triton.jit
+def _finish_exp2_lse_m_unconverted(acc, m_i, l_i):
+    return acc / l_i[:, None], m_i + tl.log(l_i)
+
+
 EXP2_WITHOUT_LOG2E = ("exp2 is used but the scale does not include LOG2_E: exp2(x) = exp(x · ln 2), "
                       "so multiply the scores by scale · LOG2_E before exp2")
 EXP2_MISTAKES = {
     EXP2_WITHOUT_LOG2E: (_update_exp2_without_log2e, finish_rows_exp2),
     "the scores were scaled by scale · LOG2_E (log2 units) but exponentiated with tl.exp: use "
     "tl.math.exp2 for p and alpha": (_update_exp_with_log2e, finish_rows_exp2),
+    "alpha uses tl.exp on maxima in log2 units: p is exp2(s - m_new), so the rescale must be "
+    "exp2(m_i - m_new) too": (_update_exp2_alpha_exp, finish_rows_exp2),
+    OLD_MAX_RETURNED.replace("exp(m_i", "exp2(m_i"): (_update_exp2_keeps_old_max, finish_rows_exp2),
     "lse is left in log2 units: m_i + log2(l_i) is log2 Σ exp(s); divide by LOG2_E for the "
     "natural log the backward expects": (update_tile_exp2, _finish_exp2_lse_in_log2),
-    "lse mixes units: m_i is in log2 units, so (m_i + log2(l_i)) / LOG2_E, or "
-    "m_i / LOG2_E + log(l_i) — check which one you converted": (
+    "lse is multiplied by LOG2_E: m_i + log2(l_i) is in log2 units, and log2 units become the "
+    "natural log by dividing by LOG2_E (log2 x = ln x · LOG2_E)": (
         update_tile_exp2, _finish_exp2_lse_times_log2e),
+    "lse mixes units: m_i / LOG2_E is in natural-log units but log2(l_i) is not — use "
+    "m_i / LOG2_E + log(l_i), or (m_i + log2(l_i)) / LOG2_E": (
+        update_tile_exp2, _finish_exp2_lse_log2_of_l),
+    "lse mixes units: m_i is still in log2 units (the scores were scaled by LOG2_E) while log(l_i) "
+    "is natural — use m_i / LOG2_E + log(l_i)": (update_tile_exp2, _finish_exp2_lse_m_unconverted),
 }
 
 EXP2_SPECS = _specs(
