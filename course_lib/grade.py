@@ -19,7 +19,9 @@ check cell of an exercise runs, the grader looks up the answer by its name in th
 process and runs the chapter's check (``course_lib.exercises.chNN``) here, on proxies
 (:mod:`course_lib.grade_channel`): calling one sends the case's inputs to the notebook's process,
 which calls the learner's function (or launches the learner's Triton kernel, under the memory
-guard) and sends back numbers, decoded without executing anything. Whatever the learner's code
+guard, or runs a function of the library named by the check on the answer: a kernel of the
+check's that calls the learner's ``@triton.jit`` helpers, an ``autograd.Function`` trained) and
+sends back numbers, decoded without executing anything. Whatever the learner's code
 does in its own process — patch the checks, forge the old grading log, print a ✓ — is never read.
 The learner's own check cells still run there, so the executed notebooks show the usual messages.
 
@@ -91,17 +93,16 @@ SUSPICIOUS = ("COURSE_GRADE_LOG", "GRADE_LOG", "checks.report", "checks.passed",
               "grade_channel")
 CSV_COLUMNS = ["learner", "chapter", "notebook", "exercise", "status", "message"]
 # The exercises whose check cannot be handed proxies: graded from the report their check writes
-# inside the notebook's process, as the grader did before it had a trust boundary.
-_WATCHED = ("the check counts which tiles your function reads through arrays that record their "
-            "accesses, which do not cross to the notebook's process")
-_DEVICE_HELPERS = ("the check runs your @triton.jit helper functions inside a kernel of its own, "
-                   "which has to live in the process that defines them")
+# inside the notebook's process, as the grader did before it had a trust boundary. Both hand over
+# code, which only runs where it was defined: an adapter that transformers calls with its own
+# module objects, and a function that returns a custom operator. (Their checks' runs — the model,
+# the operator under torch.compile — could be sent to the notebook's process by name, as 7.6's
+# training is with grade_channel.run_with: not done.)
 NOT_ISOLATED = {
-    "4.4": _WATCHED, "4.5": _WATCHED, "7.4": _WATCHED,
-    "6.1": _DEVICE_HELPERS, "6.2": _DEVICE_HELPERS, "6.3": _DEVICE_HELPERS,
-    "6.4": _DEVICE_HELPERS,
-    "12.1": "transformers calls your adapter with its own module objects",
-    "12.2": "your function returns a custom operator (code), not data",
+    "12.1": ("transformers calls your adapter with its own module objects (code and a model's "
+             "state, not data) in the process where the model runs"),
+    "12.2": ("your function returns a custom operator: code, which the grader would have to run; "
+             "only data crosses to the grader"),
 }
 NOT_ISOLATED_MARK = "not isolated"  # starts the message of such a row
 NOTEBOOK_TIMEOUT_S = 1800  # default wall-clock limit for one notebook

@@ -38,6 +38,7 @@ import struct
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -488,7 +489,9 @@ def write_message(path: Path, value: Any, *, strict: bool = True) -> None:
 
 def describe_exception(exc: BaseException) -> list[dict]:
     """``exc`` and its causes (outermost first) as data: type, message, the innermost frame in
-    the learner's code and, for a Triton compilation error, the line it points at."""
+    the learner's code, for a Triton compilation error the line it points at and, for an
+    exception of the course's checks, its evidence fields (a MemoryViolation's tensor, kind, ...:
+    the diagnoses read them)."""
     from course_lib import checks
 
     chain, seen = [], set()
@@ -506,6 +509,8 @@ def describe_exception(exc: BaseException) -> list[dict]:
             entry["compilation"] = {"lineno": int(node.lineno), "src": src[:100_000],
                                     "error_message": str(getattr(exc, "error_message", "")
                                                          or "")[:4000]}
+        if (type(exc).__module__, type(exc).__name__) in _COURSE_EXCEPTIONS:
+            entry["fields"] = {k: v for k, v in vars(exc).items() if _is_field(k, v)}
         chain.append(entry)
         exc = exc.__cause__ or exc.__context__
     return chain
@@ -536,6 +541,17 @@ def _exception_type(entry: dict) -> type:
     return _learner_types[name]
 
 
+def _is_field(name: Any, value: Any) -> bool:
+    """Whether ``name = value`` is an evidence field that crosses with a course exception: a
+    public name, and a number, a short text, a truth value, None or a short tuple of numbers."""
+    if not (isinstance(name, str) and IDENTIFIER.match(name) and not name.startswith("_")):
+        return False
+    if isinstance(value, tuple):
+        return len(value) <= MAX_DEPTH and all(_is_int(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float)) or (
+        isinstance(value, str) and len(value) <= 400)
+
+
 def rebuild_exception(chain: list) -> BaseException:
     """The exception :func:`describe_exception` described, raised here once so that its
     traceback holds the learner's line (the diagnoses quote it)."""
@@ -551,6 +567,11 @@ def rebuild_exception(chain: list) -> BaseException:
             exc = _exception_type({"type": entry.get("type")})(message)
         if isinstance(exc, SystemExit):
             exc.code = message or None
+        fields = entry.get("fields")
+        if (entry.get("module"), entry.get("type")) in _COURSE_EXCEPTIONS and isinstance(fields, dict):
+            for name, value in fields.items():
+                if _is_field(name, value):
+                    setattr(exc, name, value)
         comp = entry.get("compilation")
         if isinstance(comp, dict) and _is_int(comp.get("lineno")):
             exc.node = type("Node", (), {"lineno": comp["lineno"]})()
@@ -665,17 +686,23 @@ def serve(request_path: str) -> None:
                   "values": {name: obj for name, obj in found.items() if _is_plain_data(obj)}}
         write_message(reply, answer, strict=False)
         return
-    target = _SNAPSHOT[key][request["name"]]
-    grid, args, kwargs, allow, errstate = read_message(Path(request["input"]), library_functions=True)
+    name = request["name"]
+    # several answers (6.1's update and finish) go to a library function together, as a tuple
+    target = tuple(_SNAPSHOT[key][n] for n in name) if isinstance(name, list) else \
+        _SNAPSHOT[key][name]
+    grid, args, kwargs, allow, errstate, quiet = read_message(Path(request["input"]),
+                                                              library_functions=True)
     printed = _Bounded()
     result, error = None, None
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
-                np.errstate(**errstate):
+                np.errstate(**errstate), warnings.catch_warnings():
+            if quiet:  # as in the check's process (NumPy's overflow warnings in a kernel)
+                warnings.simplefilter("ignore", RuntimeWarning)
             if op == "call":
                 result = target(*args, **kwargs)
             elif op == "with":  # a library function of the check's, run here on the answer
-                result = _run_with(target, args, kwargs)
+                result = _run_with(target, args, kwargs, allow)
             else:
                 result = _launch(target, grid, args, kwargs, allow)
     except BaseException as exc:  # noqa: BLE001 - the learner's error goes back as data
@@ -685,17 +712,28 @@ def serve(request_path: str) -> None:
     write_message(reply, answer, strict=False)
 
 
-def _run_with(target, args: list, kwargs: dict):
+def _run_with(target, args: list, kwargs: dict, allow: list):
     """``args[0](target, *args[1:], **kwargs)``, where ``args[0]`` is a function of the course's
-    library (it arrived by name, :func:`resolve_library_function`): what :func:`run_with` asks for."""
+    library (it arrived by name, :func:`resolve_library_function`): what :func:`run_with` asks for.
+    When the grader's check ran it under its memory guard (chapter 06's pieces launch the teaching
+    kernel), it runs here under a guard allowing the same elements."""
     if not args or library_function_name(args[0]) is None:
         raise TypeError("the grader asked to run something that is not a library function")
-    return args[0](target, *args[1:], **kwargs)
+    with _guarded(args, allow) if allow else contextlib.nullcontext():
+        return args[0](target, *args[1:], **kwargs)
 
 
 def _launch(kernel, grid, args, kwargs, allow):
     """``kernel[grid](*args, **kwargs)`` under the memory guard, allowing here the elements the
     grader's guard allowed (see :func:`_guard_allowances`)."""
+    with _guarded(args, allow):
+        return kernel[tuple(grid)](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _guarded(args: list, allow: list):
+    """The memory guard (course_lib.kernel_checks), allowing the elements ``allow`` locates in the
+    storages of ``args`` (:func:`_guard_allowances`)."""
     import torch
 
     from course_lib import kernel_checks
@@ -706,7 +744,7 @@ def _launch(kernel, grid, args, kwargs, allow):
             view = torch.empty(0, dtype=arg.dtype, device=arg.device).set_(
                 arg.untyped_storage(), offset, tuple(shape), tuple(strides))
             guard.allow(name, view, write=write)
-        return kernel[tuple(grid)](*args, **kwargs)
+        yield guard
 
 
 def _user_namespace() -> dict:
@@ -752,12 +790,14 @@ class Session:
         values = answer.get("values") if isinstance(answer.get("values"), dict) else {}
         return objects, values
 
-    def call(self, op: str, key: str, name: str, grid, args: tuple, kwargs: dict,
+    def call(self, op: str, key: str, name: str | list[str], grid, args: tuple, kwargs: dict,
              allow=()) -> dict:
-        """Run the learner's ``name`` (call or launch) on ``args``; return the answer dict."""
+        """Run the learner's ``name`` (call or launch; for "with", a list of names is the tuple of
+        those answers) on ``args``; return the answer dict."""
         try:
             payload = encode((grid, list(args), dict(kwargs), list(allow),
-                              {k: v for k, v in np.geterr().items()}))
+                              {k: v for k, v in np.geterr().items()},
+                              _runtime_warnings_ignored()))
         except ChannelError as exc:
             self.misuse = self.misuse or f"an argument the check passes cannot be sent ({exc})"
             raise NotIsolable(self.misuse) from None
@@ -872,8 +912,9 @@ def _answer(session: Session, answer: dict, args: tuple, kwargs: dict) -> Any:
     printed = answer.get("printed")
     if isinstance(printed, str) and printed:
         sys.stdout.write(printed)
-    if isinstance(answer.get("args"), list):
-        _write_back(list(args), answer["args"])
+    if isinstance(answer.get("args"), list) and len(answer["args"]) == len(args):
+        for target, value in zip(args, answer["args"]):  # each argument on its own: the first
+            _write_back(target, value)                   # of run_with's is a function
     if isinstance(answer.get("kwargs"), dict):
         _write_back(kwargs, answer["kwargs"])
     if answer.get("error") is not None:
@@ -962,15 +1003,39 @@ def run_with(answer: Any, fn: Callable, *args, **kwargs) -> Any:
     (:func:`library_function_name`). In the learner's own process (a check cell) that is the call
     itself; in the grader's, where ``answer`` is a proxy, ``fn`` is sent by name and run on the
     learner's object in the notebook's process, and only its result (data) comes back: how a check
-    uses an answer that is not data (7.6's ``autograd.Function`` class, run through autograd)."""
-    if not isinstance(answer, _Proxy):
+    uses an answer that is not data (7.6's ``autograd.Function`` class, run through autograd).
+
+    ``answer`` may be a tuple of answers (6.1's two ``@triton.jit`` helpers, which ``fn`` puts into
+    one kernel): ``fn`` gets the tuple. Run under the check's memory guard, ``fn`` runs under one
+    allowing the same elements there, and the tensors it is handed come back as it left them
+    (a kernel's outputs, and any store into an input or a margin the check looks for)."""
+    parts = answer if isinstance(answer, tuple) else (answer,)
+    proxies = [a for a in parts if isinstance(a, _Proxy)]
+    if not proxies:
         return fn(answer, *args, **kwargs)
+    first = proxies[0]
+    if len(proxies) != len(parts) or any(p._session is not first._session or p._key != first._key
+                                         for p in proxies):
+        return first._refuse("the check runs a library function on answers of which some are "
+                             "not the notebook's")
     if library_function_name(fn) is None:
-        return answer._refuse(f"the check runs {getattr(fn, '__qualname__', fn)!r} on {answer._what}, "
-                              f"which is not a library function the grader can send")
-    session = answer._session
-    answer_ = session.call("with", answer._key, answer._name, None, (fn, *args), kwargs)
+        return first._refuse(f"the check runs {getattr(fn, '__qualname__', fn)!r} on "
+                             f"{first._what}, which is not a library function the grader can send")
+    session = first._session
+    names = [p._name for p in proxies] if isinstance(answer, tuple) else first._name
+    sent = (fn, *args)
+    answer_ = session.call("with", first._key, names, None, sent, kwargs, _guard_allowances(sent))
     return _answer(session, answer_, (None, *args), kwargs)
+
+
+def _runtime_warnings_ignored() -> bool:
+    """Whether a RuntimeWarning given now would be ignored: the checks ignore NumPy's overflow
+    warnings around a kernel launch (they diagnose the NaN), and the notebook's process is told
+    to do the same, or the warnings would show in the diagnosis as printed by the learner's code."""
+    for action, message, category, module, _ in warnings.filters:
+        if issubclass(RuntimeWarning, category) and message is None and module is None:
+            return action == "ignore"
+    return False
 
 
 def _guard_allowances(args: tuple) -> list:

@@ -618,6 +618,11 @@ def _swapped_program_ids_note(program: tuple, grid: tuple) -> str:
 _ACTIVE_GUARDS: list[MemoryGuard] = []
 
 
+def active_guard() -> MemoryGuard | None:
+    """The innermost :func:`memory_guard` in force (in the interpreter), or None."""
+    return _ACTIVE_GUARDS[-1] if _ACTIVE_GUARDS else None
+
+
 # How the guard names a load or store a tensor descriptor made (the interpreter turns it into a
 # masked access whose mask is the descriptor's declared shape, not the tensor's)
 DESCRIPTOR_LOAD, DESCRIPTOR_STORE = "descriptor load (desc.load)", "descriptor store (desc.store)"

@@ -1,17 +1,22 @@
 """The instructor's grading command, run as an instructor would: on a folder of learner notebooks.
 
 The main test grades three learners of chapter 03 (real notebooks, real checks, run by the grader
-in its own process); the others use a two-exercise toy chapter, with toy checks imported by the
-grader (``--checks-package``), to cover time limits and the learner's saved outputs cheaply.
-Hostile notebooks: tests/test_grade_hostile.py."""
+in its own process); a two-exercise toy chapter, with toy checks imported by the grader
+(``--checks-package``), covers time limits, crashes and the learner's saved outputs cheaply; one
+grading run shared by several tests covers the answers the checks use through library functions
+(chapters 06, 07, 11) and a pasted check cell (chapter 10). Hostile notebooks:
+tests/test_grade_hostile.py."""
 
+import contextlib
 import copy
 import csv
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -230,10 +235,14 @@ def _forged(exercise, status):
             f"'message': 'forged'}}) + '\\n')")
 
 
-@pytest.mark.ch00
-def test_time_limit_stale_outputs_and_strict_mode(tmp_path):
-    sol, env = _toy(tmp_path)
-    sub = tmp_path / "sub"
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """One grading run of the toy chapter (``--timeout 3``, no sandbox, ``COURSE_STRICT`` set)
+    shared by the two tests below: dan, erin and gus (time limit, saved outputs, strictness) and
+    hal (a check cell that kills the process)."""
+    tmp = tmp_path_factory.mktemp("toy")
+    sol, env = _toy(tmp)
+    sub = tmp / "sub"
     (sub / "dan").mkdir(parents=True)
     # a saved output claiming success must not count; the run stops at a cell that never ends
     stale = _toy_cell("1.1", "def one():\n    return 1")
@@ -250,19 +259,29 @@ def test_time_limit_stale_outputs_and_strict_mode(tmp_path):
         _toy_cell("1.1", "def one():\n    return 1")]),  # a second call (e.g. to show a wrong answer): does not count
         str(sub / "erin__01_toy.ipynb"))
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), str(sub / "gus__01_toy.ipynb"))
+    nbformat.write(new_notebook(cells=[_toy_cell("1.1", "def one():\n    return 1"), new_code_cell(
+        "# instead of ch01.check_two(two)\nimport os\nos._exit(3)")]), str(sub / "hal__01_toy.ipynb"))
     (sub / "notes.txt").write_text("not a notebook")
     (sub / "frank__99_other.ipynb").write_text("{}")
     env["COURSE_STRICT"] = "1"
+    out = tmp / "out"
+    # without a sandbox (asked for: the grader says so) the checks still run in its own process
+    run = _run_grader(sub, out, "--solutions", str(sol), "--timeout", "3", "--checks-package",
+                      "toychecks", "--isolation", "none", env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {(r["learner"], r["exercise"]): (r["status"], r["message"]) for r in _rows(out)}
+    return {"run": run, "out": out, "rows": rows}
+
+
+@pytest.mark.ch00
+def test_time_limit_stale_outputs_and_strict_mode(toy_run):
     toy_checks: dict = {}
     exec(TOY_CHECKS, toy_checks)
     with pytest.raises(checks.ExerciseFailed) as failed:  # the check's own message, in this process
         toy_checks["check_two"](lambda: 3)
     wrong_two = str(failed.value)
-    out = tmp_path / "out"
-    run = _run_grader(sub, out, "--solutions", str(sol), "--timeout", "3", "--checks-package",
-                      "toychecks", env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = {(r["learner"], r["exercise"]): (r["status"], r["message"]) for r in _rows(out)}
+    run, out = toy_run["run"], toy_run["out"]
+    got = {key: row for key, row in toy_run["rows"].items() if key[0] != "hal"}
     assert got == {
         ("dan", "1.1"): ("passed", "✓ Exercise 1.1: passed (1 case)."),
         ("dan", "1.2"): ("not run", "its check never reported: cell 1 ran past the 3 s limit per "
@@ -281,6 +300,18 @@ def test_time_limit_stale_outputs_and_strict_mode(tmp_path):
     assert data["learners"]["erin"]["flags"] == [
         "01_toy.ipynb: cell 1 mentions COURSE_GRADE_LOG, GRADE_LOG",
         "01_toy.ipynb: cell 2 mentions COURSE_GRADE_LOG, GRADE_LOG"]
+
+
+@pytest.mark.ch00
+def test_a_check_cell_that_kills_the_process(toy_run):
+    """A crash inside a check cell (an out-of-bounds kernel could once do this) is named as such."""
+    said = [line for line in toy_run["run"].stdout.splitlines() if not line.startswith("warning: ")]
+    assert said[0].startswith("isolation: none — asked for with --isolation none. Each notebook "
+                              "runs as this user, with this user's files and network"), said[0]
+    assert [(ex, *row) for (learner, ex), row in toy_run["rows"].items() if learner == "hal"] == [
+        ("1.1", "passed", "✓ Exercise 1.1: passed (1 case)."),
+        ("1.2", "not run", "its check never reported: the Python process running the notebook died "
+                           "at cell 1, its check cell")]
 
 
 @pytest.mark.ch00
@@ -333,47 +364,6 @@ def test_exercise_lists_come_from_the_solutions():
     assert named == set(grade.NOT_ISOLATED)
 
 
-@pytest.mark.ch00
-def test_a_check_cell_that_kills_the_process(tmp_path):
-    """A crash inside a check cell (an out-of-bounds kernel could once do this) is named as such."""
-    sol, env = _toy(tmp_path)
-    (tmp_path / "sub").mkdir()
-    nbformat.write(new_notebook(cells=[_toy_cell("1.1", "def one():\n    return 1"), new_code_cell(
-        "# instead of ch01.check_two(two)\nimport os\nos._exit(3)")]), str(tmp_path / "sub" / "hal__01_toy.ipynb"))
-    # without a sandbox (asked for: the grader says so) the checks still run in its own process
-    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--solutions", str(sol),
-                      "--checks-package", "toychecks", "--isolation", "none", env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.startswith("isolation: none — asked for with --isolation none. Each notebook "
-                                 "runs as this user, with this user's files and network")
-    assert [(r["exercise"], r["status"], r["message"]) for r in _rows(tmp_path / "out")] == [
-        ("1.1", "passed", "✓ Exercise 1.1: passed (1 case)."),
-        ("1.2", "not run", "its check never reported: the Python process running the notebook died "
-                           "at cell 1, its check cell")]
-
-
-@pytest.mark.ch10
-def test_a_check_cell_pasted_twice_over_an_untouched_exercise_is_not_done(tmp_path):
-    """Chapter 10's checks hand back a switched model kernel (not callable) when an exercise is not
-    done; a learner who pastes the check cell twice (or runs it again) must still be graded "not
-    done", never "passed" (it once was: the switched kernel was not recognised as the library's)."""
-    learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "10_masks_in_triton.ipynb"), as_version=4)
-    for exercise in ("10.2", "10.3"):
-        i = next(j for j, c in enumerate(learner.cells) if c.cell_type == "code"
-                 and f"check_{'varlen' if exercise == '10.2' else 'block_sparse'}_kernel(" in c.source)
-        twin = copy.deepcopy(learner.cells[i])
-        twin.id = f"pasted-{exercise.replace('.', '-')}"
-        learner.cells.insert(i + 1, twin)
-    (tmp_path / "sub").mkdir()
-    nbformat.write(learner, str(tmp_path / "sub" / "pat__10_masks_in_triton.ipynb"))
-    run = _run_grader(tmp_path / "sub", tmp_path / "out")
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["exercise"]: r for r in _rows(tmp_path / "out")}
-    for exercise in ("10.2", "10.3"):
-        assert rows[exercise]["status"] == "not done", rows[exercise]
-    assert all(r["status"] != "passed" for r in rows.values()), rows
-
-
 @pytest.mark.ch10
 def test_the_class_demo_builds_its_class(tmp_path):
     """tools/grade_class_demo.py (run by hand: it grades 30 notebooks) still finds the lines its
@@ -399,36 +389,124 @@ def _reduced(solution: str, keep) -> list:
     return [cell for cell in nb.cells if cell.cell_type == "code" and keep(cell.source)]
 
 
+# Chapter 06's learner (the checks of 6.1-6.4 launch the teaching kernel with the learner's
+# @triton.jit helpers): mallory hands in the right 6.1, then patches, in her own process, the four
+# checks (each prints a ✓ and passes) and the memory guard (a no-op), and hands in a wrong 6.2 and
+# 6.3 and a stub 6.4
+WRONG_06 = {"6.2": ("mask=offs_rows[:, None] < n_rows, other=0.0)", ")"),  # an unmasked load
+            "6.3": ("return tl.minimum(n_k, start_m + BLOCK_M)", "return n_k")}  # visits every tile
+CHECKS_06 = {"6.1": "check_online_softmax", "6.2": "check_ragged", "6.3": "check_causal",
+             "6.4": "check_exp2"}
+PATCH_06 = """\
+import contextlib, sys
+chapter = sys.modules['course_lib.exercises.ch' + '06']
+guards = sys.modules['course_lib.kernel_' + 'checks']
+def passed(*answers):
+    print('✓ Exercise 6.x: passed (5 cases).')
+    return answers
+for name in ('check_online_softmax', 'check_ragged', 'check_causal', 'check_exp2'):
+    setattr(chapter, name, passed)
+@contextlib.contextmanager
+def unguarded():
+    yield guards.MemoryGuard()
+setattr(guards, 'memory_' + 'guard', unguarded)
+"""
+
+
+def _changed(cells, changes=(), stubs=(), before=None):
+    """A notebook of ``cells`` (copies) with each (old, new) of ``changes`` made in the first cell
+    holding ``old``, the exercises ``stubs`` stubbed, and ``before`` = (exercise, code): the code
+    inserted before that exercise's cell."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
+    for old, new in changes:
+        cell = next(c for c in nb.cells if old in c.source)
+        cell.source = cell.source.replace(old, new, 1)
+    for exercise in stubs:
+        cell = next(c for c in nb.cells if f"# Exercise {exercise}:" in c.source)
+        cell.source = nbgen.strip_solutions(cell.source, "test")
+    if before is not None:
+        at = next(i for i, c in enumerate(nb.cells) if f"# Exercise {before[0]}:" in c.source)
+        nb.cells.insert(at, nbformat.v4.new_code_cell(before[1]))
+    return nb
+
+
+SKIP_74 = ("            if causal and q_end - 1 < k_start:               # every query before every key\n"
+           "                continue\n")
+
+
+def _graded_only(cells, call: str) -> list:
+    """``cells`` with each check cell that calls ``call`` left as a comment: the grader finds the
+    call there and grades just before it; the notebook's own run of the check is not what the
+    tests of these rows read (and costs a second run of every case)."""
+    return [nbformat.v4.new_code_cell("# " + c.source) if call in c.source else c for c in cells]
+
+
+def _pasted_twice_10():
+    """Chapter 10's learner notebook, untouched, reduced to its set-up, exercise and check cells,
+    with the check cells of 10.2 and 10.3 pasted twice."""
+    learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "10_masks_in_triton.ipynb"), as_version=4)
+    learner.cells = [c for c in learner.cells if c.cell_type == "code" and any(
+        text in c.source for text in ("runtime.setup()", "from course_lib.exercises import ch10",
+                                      "# Exercise 10.", "ch10.check_"))]
+    for exercise in ("10.2", "10.3"):
+        i = next(j for j, c in enumerate(learner.cells) if c.cell_type == "code"
+                 and f"check_{'varlen' if exercise == '10.2' else 'block_sparse'}_kernel(" in c.source)
+        twin = copy.deepcopy(learner.cells[i])
+        twin.id = f"pasted-{exercise.replace('.', '-')}"
+        learner.cells.insert(i + 1, twin)
+    return learner
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """One grading run (two notebooks at a time) shared by the tests below: chapters 06, 07 and 11
+    (answers the checks use through library functions) and chapter 10 (a pasted check cell). The
+    rows, and the notebooks as the grader executed them."""
+    tmp = tmp_path_factory.mktemp("shared-run")
+    ring = _graded_only(_reduced("11_ring_attention.ipynb", lambda src: "import course_lib" in src
+                                 or "runtime.setup()" in src or "# Exercise 11." in src
+                                 or "ch11.check_" in src), "ch11.check_")
+    prelude = nbformat.v4.new_code_cell(
+        "import numpy as np\nimport torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
+        "from course_lib.exercises import ch07\n"
+        "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
+    glue = _reduced("07_backward.ipynb", lambda src: any(
+        text in src for text in ("# Exercise 7.4:", "ch07.check_flash_backward(", "# Exercise 7.6:",
+                                 "ch07.check_autograd_function(")))
+    glue = _graded_only(glue, "ch07.check_autograd_function(")  # (it trains the tiny LM again)
+    pieces = [nbformat.v4.new_code_cell(  # the chapter's imports that 6.1-6.4 need
+        "from course_lib import runtime\nrt = runtime.setup()\nimport triton\nimport triton.language as tl\n"
+        "from course_lib.exercises import ch06\nfrom course_lib.kernels.tiles import LOG2_E"),
+        *_reduced("06_flash_forward_triton.ipynb", lambda src: any(
+            f"# Exercise {ex}:" in src or f"ch06.{check}(" in src for ex, check in CHECKS_06.items()))]
+    changes = {"11": [("(r - step) % world", "(r + step) % world")],
+               "07": [("return dq, dk, dv, None, None", "return dk, dq, dv, None, None"),
+                      (SKIP_74, "")]}  # 7.4 computes the tiles the causal mask hides
+    notebooks = {"06_flash_forward_triton": {
+        "mallory": _changed(pieces, WRONG_06.values(), stubs=["6.4"], before=("6.2", PATCH_06))}}
+    for chapter, cells, name in (("11", ring, "11_ring_attention"), ("07", [prelude, *glue], "07_backward")):
+        notebooks[name] = {"alice": _changed(cells), "bob": _changed(cells, changes[chapter])}
+    notebooks["10_masks_in_triton"] = {"pat": _pasted_twice_10()}
+    (tmp / "sub").mkdir()
+    for name, learners in notebooks.items():
+        for learner, nb in learners.items():
+            nbformat.write(nb, str(tmp / "sub" / f"{learner}__{name}.ipynb"))
+    run = _run_grader(tmp / "sub", tmp / "out", "--isolation", "none", "--jobs", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return {"rows": {(r["learner"], r["exercise"]): r for r in _rows(tmp / "out")},
+            "executed": tmp / "out" / "executed"}
+
+
 @pytest.mark.ch07
 @pytest.mark.ch11
-def test_answers_used_through_library_functions_are_graded_outside_the_notebook(tmp_path):
+def test_answers_used_through_library_functions_are_graded_outside_the_notebook(shared_run):
     """11.2's check hands the learner's loop the library's ``attend``; 7.6's answer is an
     ``autograd.Function`` class, which the check runs through ``ch07.run_function`` and the tiny
     LM's training. The grader sends those library functions by name, the notebook's process looks
     them up and runs them, and only numbers come back: the exercises are graded in the grader's
     process (no row "not isolated"). The solutions pass; a loop that attends the wrong shard and
     gradients returned in the wrong order are wrong, with the checks' causes."""
-    ring = _reduced("11_ring_attention.ipynb", lambda src: "import course_lib" in src or "runtime.setup()" in src
-                    or "# Exercise 11." in src or "ch11.check_" in src)
-    prelude = nbformat.v4.new_code_cell(
-        "import torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
-        "from course_lib.exercises import ch07\n"
-        "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
-    glue = _reduced("07_backward.ipynb", lambda src: "# Exercise 7.6:" in src or "ch07.check_autograd_function(" in src)
-    changes = {"11": ("(r - step) % world", "(r + step) % world"),
-               "07": ("return dq, dk, dv, None, None", "return dk, dq, dv, None, None")}
-    (tmp_path / "sub").mkdir()
-    for chapter, cells, name in (("11", ring, "11_ring_attention"), ("07", [prelude, *glue], "07_backward")):
-        for learner in ("alice", "bob"):
-            nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
-            if learner == "bob":
-                old, new = changes[chapter]
-                cell = next(c for c in nb.cells if old in c.source)
-                cell.source = cell.source.replace(old, new)
-            nbformat.write(nb, str(tmp_path / "sub" / f"{learner}__{name}.ipynb"))
-    run = _run_grader(tmp_path / "sub", tmp_path / "out", "--isolation", "none", "--jobs", "2")
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = {(r["learner"], r["exercise"]): r for r in _rows(tmp_path / "out")}
+    rows = shared_run["rows"]
     for ex in ("11.1", "11.2", "7.6"):
         assert rows["alice", ex]["status"] == "passed", rows["alice", ex]
     assert rows["bob", "11.2"]["status"] == "wrong", rows["bob", "11.2"]
@@ -436,6 +514,68 @@ def test_answers_used_through_library_functions_are_graded_outside_the_notebook(
     assert rows["bob", "7.6"]["status"] == "wrong" and "wrong order" in rows["bob", "7.6"]["message"], rows["bob", "7.6"]
     assert not any(rows[who, ex]["message"].startswith(grade.NOT_ISOLATED_MARK)
                    for who in ("alice", "bob") for ex in ("11.1", "11.2", "7.6"))
+
+
+@pytest.mark.ch07
+def test_a_record_of_the_work_comes_back_as_data_and_is_judged_in_the_grader(shared_run):
+    """7.4 (as 4.4 and 4.5): the check judges which rows of q the backward multiplies with which
+    rows of k, recorded by watched arrays where the function runs (the notebook's process, through
+    ``ch04.watched_call`` sent by name) and sent back as data. Graded in the grader, with exactly
+    the message each learner's own check cell showed: alice passes, bob's backward that computes
+    the tiles the causal mask hides is wrong. (A record forged in the notebook's process:
+    test_a_record_of_loads_is_judged_in_the_grader_and_a_forged_one_is_refused.)"""
+    rows, executed = shared_run["rows"], shared_run["executed"]
+    for who, status in (("alice", "passed"), ("bob", "wrong")):
+        shown = _check_cell_outputs(executed / who / "07_backward.ipynb", "ch07.check_flash_backward")
+        assert (rows[who, "7.4"]["status"], rows[who, "7.4"]["message"]) == (status, shown)
+    assert "right numbers, but hidden tiles computed" in rows["bob", "7.4"]["message"]
+
+
+@pytest.mark.ch10
+def test_a_check_cell_pasted_twice_over_an_untouched_exercise_is_not_done(shared_run):
+    """Chapter 10's checks hand back a switched model kernel (not callable) when an exercise is not
+    done; a learner who pastes the check cell twice (or runs it again) must still be graded "not
+    done", never "passed" (it once was: the switched kernel was not recognised as the library's)."""
+    rows = {ex: r for (learner, ex), r in shared_run["rows"].items() if learner == "pat"}
+    assert sorted(rows) == ["10.1", "10.2", "10.3"]
+    for exercise in ("10.2", "10.3"):
+        assert rows[exercise]["status"] == "not done", rows[exercise]
+    assert all(r["status"] != "passed" for r in rows.values()), rows
+
+
+def _check_cell_outputs(path, call: str) -> str:
+    """What the first cell calling ``call`` (``"ch07.check_flash_backward"``) showed in the
+    executed notebook ``path``: its error message (a wrong answer) or its printed text."""
+    nb = nbformat.read(str(path), as_version=4)
+    cell = next(c for c in nb.cells if f"{call}(" in c.source)
+    return "".join(o.get("evalue") or o.get("text") or "" for o in cell.outputs).strip()
+
+
+@pytest.mark.ch06
+def test_device_helpers_are_launched_in_the_notebook_and_checked_in_the_grader(shared_run):
+    """6.1-6.4: the check's kernel calls the learner's @triton.jit helpers, so the grader sends the
+    launch (``ch06.launch_answer``, the helpers named) to the notebook's process and gets back only
+    the tensors (and the memory guard's findings); cases, reference, diagnosis and messages stay in
+    the grader, and no row is "not isolated". Mallory's right 6.1 passes with her check cell's
+    message. Her patched checks printed a ✓ for the rest, and her patched guard let an unmasked load
+    through: it is still wrong (the NaN of the inputs' margins reaches her outputs, which the
+    grader checks), the extra tiles too, and the stub is not done. (A load whose values are
+    discarded passes once the guard is off, as on a GPU: README. That a check on proxies says
+    exactly what the check cell says, guard included: test_a_check_on_proxies_says_what_the_check_cell_says.)"""
+    from course_lib.exercises import ch06
+
+    rows, executed = shared_run["rows"], shared_run["executed"] / "mallory" / "06_flash_forward_triton.ipynb"
+    got = {ex: (rows["mallory", ex]["status"], rows["mallory", ex]["message"]) for ex in CHECKS_06}
+    assert got["6.1"] == ("passed", _check_cell_outputs(executed, "ch06.check_online_softmax"))
+    assert got["6.1"][1] == f"✓ Exercise 6.1: passed ({len(ch06.ONLINE_SOFTMAX_SPECS)} cases)."
+    for ex in ("6.2", "6.3", "6.4"):
+        assert _check_cell_outputs(executed, f"ch06.{CHECKS_06[ex]}") == "✓ Exercise 6.x: passed (5 cases).", ex
+    assert got["6.2"][0] == "wrong" and got["6.2"][1].startswith(
+        "✗ Exercise 6.2: the output depends on memory outside the inputs"), got["6.2"]
+    assert got["6.3"][0] == "wrong" and "visits 3 K/V tiles where 1 suffice" in got["6.3"][1], got["6.3"]
+    assert got["6.4"][0] == "not done" and got["6.4"][1].startswith(
+        "… Exercise 6.4: not done yet"), got["6.4"]
+    assert not any(message.startswith(grade.NOT_ISOLATED_MARK) for _, message in got.values())
 
 
 def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
@@ -457,3 +597,162 @@ def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
         gc.decode(forged, library_functions=True)
     with pytest.raises(gc.ChannelError, match="bad library function name"):
         gc.resolve_library_function("os", "system")
+
+
+class _Loopback:
+    """A kernel client that runs the grader's requests in this very process: both ends of the
+    channel (encode, the request and answer files, ``serve``, decode) without a notebook.
+    ``forge(result) -> result``: what a notebook's process that lies sends back instead."""
+
+    def __init__(self, forge=None):
+        self.replies, self.requests, self.forge = [], 0, forge
+
+    def execute(self, code, **_):
+        from triton.runtime import interpreter
+
+        from course_lib import kernel_checks
+
+        self.requests += 1
+        msg_id = f"request-{self.requests}"
+        # as in a process of its own: none of the check's memory guards (nor its wrapping of the
+        # interpreter's loads and stores) apply to the request, only the guard it makes itself
+        guards, builder = kernel_checks._ACTIVE_GUARDS, interpreter.interpreter_builder
+        saved = guards[:], {n: f for n, f in vars(builder).items() if n.startswith("create_")}
+        guards.clear()
+        for name in saved[1]:
+            delattr(builder, name)
+        try:
+            exec(code, {})  # noqa: S102 - the grader's own one-line request
+            status = "ok"
+        except Exception:  # noqa: BLE001 - as a kernel reports a request that raised
+            status = "error"
+        finally:
+            guards[:] = saved[0]
+            for name, method in saved[1].items():
+                setattr(builder, name, method)
+        if self.forge is not None and status == "ok":
+            from course_lib import grade_channel as gc
+
+            request = json.loads(Path(re.search(r"serve\('([^']+)'\)", code).group(1)).read_text())
+            if request["op"] == "with":
+                reply = gc.read_message(Path(request["reply"]))
+                gc.write_message(Path(request["reply"]), {**reply, "result": self.forge(reply["result"])},
+                                 strict=False)
+        self.replies.append({"parent_header": {"msg_id": msg_id}, "content": {"status": status}})
+        return msg_id
+
+    def get_shell_msg(self, timeout):
+        return self.replies.pop(0)
+
+
+# Exercise 6.5's launchers with one mistake each (changes to the solution's cell): a Q load without
+# its mask, which reads rows it then discards (the numbers come out right: only the memory guard
+# sees it), and a grid of one program per (batch, head) (rows never written: the sentinels)
+FORWARD_6_5 = {"q-load-unmasked": [("q = tl.load(q_ptrs, mask=offs_m[:, None] < n_q, other=0.0)",
+                                    "q = tl.load(q_ptrs)")],
+               "grid-too-small": [("grid = (triton.cdiv(n_q, block_m) * batch * heads,)",
+                                   "grid = (batch * heads,)")]}
+
+
+@pytest.mark.ch06
+@pytest.mark.parametrize("exercise, check, answer", [
+    ("6.2", "check_ragged", ("_load_unmasked", "mask_ragged")),  # the guard stops a load
+    ("6.3", "check_causal", ("mask_causal", "_kv_loop_end_always_all")),  # too many tiles
+    ("6.4", "check_exp2", ("update_tile_exp2", "_finish_exp2_lse_in_log2")),  # a named cause
+    ("6.5", "check_forward_kernel", "q-load-unmasked"),
+    ("6.5", "check_forward_kernel", "grid-too-small"),
+])
+def test_a_check_on_proxies_says_what_the_check_cell_says(tmp_path, exercise, check, answer):
+    """A check of chapter 06 run on proxies of wrong answers (as the grader runs it), its launches
+    crossing the channel by name with the memory guard's allowances (6.2-6.4: the teaching kernel
+    with the learner's helpers, ``ch06.launch_answer``; 6.5: the learner's launcher, with its
+    allocations filled with the sentinel and allowed to its kernel, ``ch06.call_launcher``), fails
+    with exactly the message of the check run on the answers themselves (as the check cell runs
+    it): the guard's diagnosis, the tile count, a named cause, rows never written. (6.5's launcher
+    once ran unguarded in the notebook's process: the grader passed its unmasked Q load.) Both ends
+    of the channel run in this process (:class:`_Loopback`), so this costs no notebook; a right
+    answer passing through a notebook: the test above."""
+    from test_exercises_ch06 import _learner_module
+
+    from course_lib import grade_channel as gc, runtime
+    from course_lib.exercises import ch06
+
+    if exercise == "6.5":
+        answers = {"flash_forward": _learner_module(tmp_path, FORWARD_6_5[answer]).flash_forward}
+        channel = tmp_path / "channel"
+        channel.mkdir()
+    else:
+        answers, channel = {name: getattr(ch06, name) for name in answer}, tmp_path
+    client = _Loopback()
+    try:
+        session, proxies = _loopback_session(client, channel, exercise, answers)
+        in_process = _judged(getattr(ch06, check), *answers.values())
+        through_channel = _judged(getattr(ch06, check), *proxies)
+    finally:
+        del gc._SNAPSHOT[exercise]
+    # how many of a stray tile's lanes fall outside every tensor depends on where the allocator put
+    # the others (two runs in one process differ too): the rest of the diagnosis must not
+    lanes = re.compile(r"would (read|write) \d+ of its")
+    assert [lanes.sub(r"would \1 N of its", text) for text in through_channel] == \
+        [lanes.sub(r"would \1 N of its", text) for text in in_process]
+    # (on a GPU the guard is off: a load whose values are discarded passes there, in both)
+    assert in_process[0] == "wrong" or not runtime.current().interpreted
+    assert client.requests > 0 and session.misuse is None and not list(channel.iterdir())
+
+
+def _loopback_session(client, folder, exercise, answers: dict):
+    """A grader's session whose notebook is this process (``client``: a :class:`_Loopback`), with
+    ``answers`` ({name: object}) as exercise ``exercise``'s answers there; and their proxies."""
+    from course_lib import grade_channel as gc
+
+    session = gc.Session(client, folder, folder, alive=lambda: True, kill=lambda why: None,
+                         time_limit=60)
+    gc._SNAPSHOT[exercise] = answers
+    return session, [gc.proxy_for(session, exercise, name, gc.describe_object(obj), {})
+                     for name, obj in answers.items()]
+
+
+def _judged(check, *answers):
+    """("passed", what it printed) or ("wrong", the diagnosis) of ``check(*answers)``."""
+    with checks.library_answers_allowed(), contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            check(*answers)
+        except checks.ExerciseFailed as failed:
+            return "wrong", str(failed)
+    return "passed", out.getvalue().strip()
+
+
+@pytest.mark.ch04
+def test_a_record_of_loads_is_judged_in_the_grader_and_a_forged_one_is_refused(tmp_path):
+    """4.4 (as 4.5 and 7.4): the learner's function runs in the notebook's process on watched
+    arrays (``ch04.watched_call``, sent by name) and the record of its loads comes back as data,
+    judged in the grader: a forward that loads the tiles right of the diagonal gets exactly the
+    check cell's diagnosis. A record the notebook's process forges in its place is refused: one
+    that leaves out a load the right numbers need, and one that is not a record at all."""
+    from test_exercises_ch04 import FA2_WRONG, LEARNER_FA2, learner_answer
+
+    from course_lib import grade_channel as gc
+    from course_lib.exercises import ch04
+
+    no_skip = learner_answer(LEARNER_FA2, FA2_WRONG[0][1], "no skip")
+    in_process = _judged(ch04.check_flash_forward, no_skip)
+    assert in_process[0] == "wrong" and "hidden tile loaded" in in_process[1]
+
+    def unread(result):  # the right numbers, with a record of no loads at all
+        out, record = result
+        return out, {**record, "touches": [], "counts": {n: 0 * c for n, c in record["counts"].items()}}
+
+    outcomes = {}
+    try:
+        for name, forge in (("honest", None), ("unread", unread),
+                            ("not a record", lambda result: (result[0], "passed"))):
+            client = _Loopback(forge)
+            session, proxies = _loopback_session(client, tmp_path, "4.4", {"flash_forward": no_skip})
+            outcomes[name] = _judged(ch04.check_flash_forward, *proxies)
+            assert client.requests > 0 and session.misuse is None
+    finally:
+        del gc._SNAPSHOT["4.4"]
+    assert outcomes["honest"] == in_process
+    assert outcomes["unread"][0] == "wrong" and "no load of row 0 of q in the record" in outcomes["unread"][1]
+    assert outcomes["not a record"][0] == "wrong" and \
+        "the record of your function's loads is malformed: not a record" in outcomes["not a record"][1]

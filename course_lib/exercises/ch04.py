@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from course_lib.checks import learner_check
-from course_lib import checks, iomodel, tiled
+from course_lib import checks, grade_channel, iomodel, tiled
 from course_lib.checks import Case, check_function
 from course_lib.softmax import correction_factor
 
@@ -371,6 +371,55 @@ class _LoadLog:
         n, d = self.shapes[name][-2:]
         return self.counts[name].reshape(-1, n, d).max(axis=(0, 2))
 
+    def as_data(self) -> dict:
+        """The record as plain data (names, numbers, arrays; each touch's line with its text): what
+        the learner's process hands the check (:func:`watched_call`)."""
+        def where(w):
+            return None if w is None else (w[0], w[1], linecache.getline(w[0], w[1]))
+        return {"shapes": {name: tuple(shape) for name, shape in self.shapes.items()},
+                "counts": dict(self.counts),
+                "touches": [(t.name, t.rows, t.loaded, t.kind, t.whole, where(t.where), t.op)
+                            for t in self.touches]}
+
+    @classmethod
+    def from_data(cls, data, shapes: dict) -> "_LoadLog":
+        """The record :meth:`as_data` made, for inputs of ``shapes`` ({name: shape}, as the check
+        made them); ValueError when it is not one (the grader reads it from the learner's
+        process, which could send anything)."""
+        def bad(what):
+            return ValueError(f"the record of your function's loads is malformed: {what}")
+
+        if not (isinstance(data, dict) and isinstance(data.get("counts"), dict)
+                and isinstance(data.get("touches"), list)):
+            raise bad("not a record")
+        if data.get("shapes") != {name: tuple(shape) for name, shape in shapes.items()}:
+            raise bad("the inputs' shapes differ")
+        log = cls({name: np.empty(shape, dtype=np.int8) for name, shape in shapes.items()})
+        for name, counts in log.counts.items():
+            got = data["counts"].get(name)
+            if not (isinstance(got, np.ndarray) and got.shape == counts.shape
+                    and got.dtype.kind in "iu" and (got >= 0).all()):
+                raise bad(f"the counts of {name}")
+            log.counts[name] = got.astype(np.int64)
+        kinds = ("load", "reuse", "copy")
+        for touch in data["touches"]:
+            if not (isinstance(touch, tuple) and len(touch) == 7):
+                raise bad("a touch")
+            name, rows, loaded, kind, whole, where, op = touch
+            if not (name in shapes and isinstance(rows, np.ndarray) and rows.ndim == 1
+                    and rows.dtype.kind in "iu" and ((rows >= 0) & (rows < shapes[name][-2])).all()
+                    and isinstance(loaded, int) and loaded >= 0 and kind in kinds
+                    and isinstance(whole, bool) and isinstance(op, int)
+                    and (where is None or (isinstance(where, tuple) and len(where) == 3
+                                           and isinstance(where[0], str) and isinstance(where[1], int)
+                                           and isinstance(where[2], str)))):
+                raise bad("a touch")
+            log.touches.append(_Touch(name, rows, loaded, kind, whole, where, op))
+        for name in shapes:  # every load a touch made is in the counts, and no other
+            if sum(t.loaded for t in log.touches if t.name == name) != int(log.counts[name].sum()):
+                raise bad(f"the loads of {name} do not add up")
+        return log
+
 
 def _learner_line():
     """(filename, line number) of the innermost frame of the learner's code on the stack."""
@@ -385,7 +434,7 @@ def _learner_line():
 def _line_text(where) -> str:
     if where is None:
         return "a line outside your code"
-    text = linecache.getline(where[0], where[1]).strip()
+    text = (where[2] if len(where) > 2 else linecache.getline(where[0], where[1])).strip()
     return f"line {where[1]}: `{text}`" if text else f"line {where[1]}"
 
 
@@ -631,6 +680,35 @@ def _watch(inputs: dict) -> tuple[_LoadLog, list[_Watched]]:
                  for name, x in inputs.items()]
 
 
+def watched_call(fn, names: tuple, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its first ``len(names)`` arguments watched (named ``names``):
+    ``(what fn returned, with plain arrays where it returned watched ones, the record of its
+    loads as data)`` (:meth:`_LoadLog.as_data`). A check reads the record back with
+    :meth:`_LoadLog.from_data`; the grader runs this in the notebook's process, by name
+    (``grade_channel.run_with``), and judges the record in its own."""
+    log, watched = _watch(dict(zip(names, args)))
+    out = fn(*watched, *args[len(names):], **kwargs)
+    out = type(out)(_plain(e, touch=False) for e in out) if isinstance(out, (tuple, list)) \
+        else _plain(out, touch=False)
+    return out, log.as_data()
+
+
+def missing_loads(log: _LoadLog, n_q: int, causal: bool) -> list[str]:
+    """Lines naming the first input whose record shows no load of an element the outputs need
+    (every query row; every key row when not causal, keys 0 .. N_q - 1 when causal), or [] when
+    none. A function that returns the right numbers loads them all, so only a record that was not
+    the function's own (one sent back from the notebook's process in its place) leaves one out."""
+    for name, shape in log.shapes.items():
+        needed = shape[-2] if name == "q" or not causal else min(shape[-2], n_q)
+        per_row = log.counts[name].reshape(-1, *shape[-2:]).min(axis=(0, 2))  # (N,)
+        unread = np.flatnonzero(per_row[:needed] == 0)
+        if unread.size:
+            return [f"  no load of row {int(unread[0])} of {name} in the record of your "
+                    f"function's loads, though the right numbers it returned need it: the record "
+                    f"is not the one your function made"]
+    return []
+
+
 _QKV = ("q", "k", "v")
 
 
@@ -826,12 +904,9 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, order):
     output = checks.CapturedOutput()
 
     def watched_fn(q, k, v, **kwargs):
-        log, inputs = _watch(dict(zip(_QKV, (q, k, v))))
-        calls.append([log, None])
-        out = fn(*inputs, **kwargs)
-        if isinstance(out, (tuple, list)):  # hand the check plain arrays, whatever came back
-            out = type(out)(_plain(e, touch=False) for e in out)
-        calls[-1][1] = out
+        calls.append([None, None])
+        out, record = grade_channel.run_with(fn, watched_call, _QKV, q, k, v, **kwargs)
+        calls[-1] = [_LoadLog.from_data(record, {n: x.shape for n, x in zip(_QKV, (q, k, v))}), out]
         return out
 
     def reference(q, k, v, **kwargs):
@@ -865,7 +940,8 @@ def _check_whole_forward(exercise, fn, library, cases, mistakes, order):
         return check_function(exercise, not_done, reference, cases[:1], fallback=library,
                               output=output)
     for n, (case, (log, _)) in enumerate(zip(cases, calls), 1):
-        problem = _judge_loads(log, case, order)
+        problem = _judge_loads(log, case, order) or missing_loads(
+            log, case.args[0].shape[-2], bool(case.kwargs.get("causal")))
         if problem:
             raise checks.failed_with(exercise, "\n".join(
                 [f"✗ {exercise}: right numbers, wrong loads on case {n} of {len(cases)}",

@@ -5,7 +5,10 @@ learner writes (6.1 the online-softmax update and finish, 6.2 masked loads and t
 6.3 the causal mask and the end of the K/V loop, 6.4 the same with exp2). One check per
 exercise runs the learner's pieces through the whole kernel, on guarded tensors (see
 :mod:`course_lib.kernel_checks`), against float64 attention on ragged shapes, and names the
-classic mistakes by replaying the known wrong pieces in ``*_MISTAKES``. Exercise 6.5 is the
+classic mistakes by replaying the known wrong pieces in ``*_MISTAKES``. The launch with the
+learner's pieces is :func:`launch_answer`, called through ``grade_channel.run_with``: the grader
+runs it in the notebook's process, where the pieces live, and the rest of the check in its own
+(6.3's tile count, :func:`visited_tiles`, likewise). Exercise 6.5 is the
 whole kernel and its launcher, written from a signature: :func:`check_forward_kernel` runs the
 learner's launcher and replays the teaching kernel with one mistake each (``FORWARD_MISTAKES``);
 ``FORWARD_HINTS`` and ``FORWARD_SKELETON`` feed the notebook's hint ladder.
@@ -17,6 +20,7 @@ live in :mod:`course_lib.kernels.teaching`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -24,7 +28,7 @@ import triton
 import triton.language as tl
 
 from course_lib.checks import learner_check
-from course_lib import checks, runtime
+from course_lib import checks, grade_channel, runtime
 from course_lib.checks import TOLERANCES, Case, ExerciseFailed, describe_value
 from course_lib import kernel_checks
 from course_lib.exercises import ch05
@@ -84,16 +88,36 @@ def _q_tile_of(index, block_m=CHECK_BLOCK, **_) -> str:
             f"{row // block_m * block_m}–{row // block_m * block_m + block_m - 1}, BLOCK_M={block_m})")
 
 
-def runner(pieces: Pieces) -> ch05.LayoutRun:
-    """A guarded run of the teaching kernel with ``pieces``: ``run(q, k, v, causal=, scale=,
-    block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d) tensors."""
+def _layout_run(launch) -> ch05.LayoutRun:
+    """A guarded run of ``launch(q, k, v, o, lse, causal=, scale=, block_m=, block_n=)``:
+    ``run(q, k, v, causal=, scale=, block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d)
+    tensors."""
     return ch05.LayoutRun(
-        launch=lambda q, k, v, o, lse, causal, scale, block_m, block_n: _launch_3d(
-            pieces, q, k, v, o, lse, causal, scale, block_m, block_n),
-        names=("q", "k", "v"),
+        launch=launch, names=("q", "k", "v"),
         outputs=(ch05.Out("o", lambda q, k, v, **_: (tuple(q.shape), q.dtype), _q_tile_of),
                  ch05.Out("lse", lambda q, k, v, **_: (tuple(q.shape[:2]), torch.float32),
                           _q_tile_of)))
+
+
+def runner(pieces: Pieces) -> ch05.LayoutRun:
+    """A guarded run of the teaching kernel with ``pieces``: ``run(q, k, v, causal=, scale=,
+    block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d) tensors."""
+    return _layout_run(functools.partial(_launch_3d, pieces))
+
+
+def launch_answer(answer: tuple, make_pieces, q, k, v, o, lse, causal: bool, scale: float,
+                  block_m: int, block_n: int) -> None:
+    """The teaching kernel with ``make_pieces(*answer)``, the learner's helpers in their places, on
+    (BH, N, d) tensors: the launch of a check of 6.1–6.4. The grader runs it in the notebook's
+    process (``grade_channel.run_with``), where the helpers live; the check stays in the grader."""
+    _launch_3d(make_pieces(*answer), q, k, v, o, lse, causal, scale, block_m, block_n)
+
+
+def answer_runner(answer: tuple, make_pieces) -> ch05.LayoutRun:
+    """As :func:`runner`, with the learner's ``answer`` (their helpers) put into the kernel by
+    ``make_pieces`` wherever the helpers are (:func:`launch_answer`)."""
+    return _layout_run(functools.partial(grade_channel.run_with, answer, launch_answer,
+                                         make_pieces))
 
 
 def _pieces_reference(q, k, v, causal=False, scale=None, **_):
@@ -142,9 +166,9 @@ def _replay_pieces(make_pieces, wrong):
 
 def _check(exercise, answer, fallback, make_pieces, specs, seed, mistakes):
     """Check the learner's pieces in the teaching kernel; mistakes replay known-wrong pieces."""
-    learner = make_pieces(*answer)
     return ch05.check_layout_kernel(
-        exercise, answer, runner(learner), _pieces_reference, _cases(_rt.device, specs, seed),
+        exercise, answer, answer_runner(answer, make_pieces), _pieces_reference,
+        _cases(_rt.device, specs, seed),
         fallback=fallback, names=("q", "k", "v", "o", "lse"),
         mistakes={cause: _replay_pieces(make_pieces, wrong) for cause, wrong in mistakes.items()})
 
@@ -392,7 +416,9 @@ def check_causal(mask, end):
     """
     for _, n_q, n_k, _, _, causal, _, (bm, bn), _, _ in CAUSAL_SPECS:
         try:
-            got = visited_tiles(end, n_q, n_k, causal, bm, bn)
+            got = grade_channel.run_with(end, visited_tiles, n_q, n_k, causal, bm, bn)
+        except grade_channel.ChannelError:  # (grader) the notebook answered with what is not data:
+            raise                           # never skip the count for it
         except Exception:  # noqa: BLE001 - a stub or a broken kv_loop_end: the check below says
             break
         want = visited_tiles(kv_loop_end, n_q, n_k, causal, bm, bn)
@@ -569,8 +595,9 @@ def _sentinel_allocations():
 def _kernel_tensors_allowed(guard, inputs: dict):
     """While active (interpreter), every tensor handed to a kernel launch is registered with the
     memory guard under the kernel's parameter name: the check's inputs read-only, any other (what
-    the launcher allocated or copied) writable — judged afterwards by what the launcher returns."""
-    if not _rt.interpreted:
+    the launcher allocated or copied) writable — judged afterwards by what the launcher returns.
+    No guard in force (on a GPU): nothing to register."""
+    if not _rt.interpreted or guard is None:
         yield
         return
     from triton.runtime.interpreter import InterpretedFunction
@@ -645,6 +672,17 @@ def _unwritten(name, x, block_m=CHECK_BLOCK):
         f"BLOCK_M={block_m})\n  {pattern}")
 
 
+def call_launcher(launcher, q, k, v, causal, **kwargs):
+    """``launcher(q, k, v, causal, **kwargs)`` with every ``torch.empty``/``empty_like`` it makes
+    filled with the sentinel (:func:`_sentinel_allocations`) and every tensor it hands a kernel
+    allowed by the memory guard in force (:func:`_kernel_tensors_allowed`). Returns what the
+    launcher returned and the ``[(allocation, buffer)]`` it made. The grader runs it in the
+    notebook's process (``grade_channel.run_with``), under a guard allowing the same q, k, v."""
+    with _sentinel_allocations() as made, _kernel_tensors_allowed(
+            kernel_checks.active_guard(), {"q": q, "k": k, "v": v}):
+        return launcher(q, k, v, causal, **kwargs), made
+
+
 class ForwardRun:
     """``run(q, k, v, causal=, scale=, block_m=, block_n=, layouts=) -> (o, lse)``: the learner's
     launcher on guarded copies of q, k, v (each in its own layout); what the launcher allocates
@@ -667,16 +705,15 @@ class ForwardRun:
             warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's overflows
             for name, view in zip("qkv", views):
                 guard.allow(name, view)
-            with _sentinel_allocations() as made, _kernel_tensors_allowed(
-                    guard, dict(zip("qkv", views))):
-                try:
-                    result = self.launcher(*views, causal, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - the guard's diagnosis comes as it is
-                    violation = next((e for e in kernel_checks.exception_chain(exc)
-                                      if isinstance(e, kernel_checks.MemoryViolation)), None)
-                    if violation is None:
-                        raise
-                    raise kernel_checks.MemoryViolation(str(violation)) from None
+            try:
+                result, made = grade_channel.run_with(self.launcher, call_launcher, *views,
+                                                      causal, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the guard's diagnosis comes as it is
+                violation = next((e for e in kernel_checks.exception_chain(exc)
+                                  if isinstance(e, kernel_checks.MemoryViolation)), None)
+                if violation is None:
+                    raise
+                raise violation.extended(None) from None
         if q.device.type == "cuda":
             torch.cuda.synchronize()
         for name, (_, buffer), before in zip("qkv", placed, pristine):
