@@ -1027,8 +1027,21 @@ def also_wrong_lines(runs: Sequence["CaseRun"], first: "CaseRun", n_cases: int) 
             said += " (crashed)" if len(other) == 1 else " (all crashed)"
     elif crashed:
         said += f" ({', '.join(map(str, crashed))} crashed)"
-    return [f"  (also {verb} case{'s' if len(other) > 1 else ''} {said}; right on "
-            f"{len([r for r in runs if not r.problem])} of {n_cases})"]
+    lines = [f"  (also {verb} case{'s' if len(other) > 1 else ''} {said}; right on "
+             f"{len([r for r in runs if not r.problem])} of {n_cases})"]
+    if crashed and first.crash is None:  # the headline is a wrong value: say how the others crashed
+        why = next(r.problem for r in other if r.crash is not None).removeprefix("crashed: ")
+        lines.append(f"  case {crashed[0]} crashed with {_clip(why, CRASH_QUOTE_CHARS)}")
+    return lines
+
+
+# At most this many characters of another case's error are quoted under a wrong answer.
+CRASH_QUOTE_CHARS = 240
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 def toggle_experiments(outcomes: Sequence, first: "CaseRun", fn: Callable, reference: Callable,

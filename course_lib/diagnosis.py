@@ -878,7 +878,34 @@ def _transforms(outcomes, first, names) -> list[str]:
                 lines.append(f"on case {first.n}, {text}")
     if not lines:  # floats where integers belong: what the float values are
         lines += [f"on case {first.n}, {text}" for text in _float_for_int(first, names)]
+    if not lines:  # flags negated, indices shifted by one constant
+        lines += [f"on case {first.n}, {text}" for text in _discrete_transforms(first, names)]
     return lines[:2]
+
+
+def _discrete_transforms(o: Outcome, names) -> list[str]:
+    """Boolean parts that are the right flags negated, and integer parts (indices, counts) that
+    are the right ones plus one constant everywhere."""
+    got_map = dict(parts(o.got, names)) if isinstance(o.want, (tuple, list)) else \
+        {"the output": o.got}
+    found = []
+    for label, w in parts(o.want, names):
+        g = got_map.get(label)
+        if g is None or _kind(g) != _kind(w) or _kind(w) not in "bi":
+            continue
+        g64, w64 = _as64(g) if _kind(g) == "i" else None, _as64(w) if _kind(w) == "i" else None
+        if _kind(w) == "b":
+            gb, wb = np.asarray(to_numpy64(g)) != 0, np.asarray(to_numpy64(w)) != 0
+            if gb.shape == wb.shape and gb.size and np.array_equal(gb, ~wb):
+                found.append(f"{label} is exactly the right flags negated (True wherever False "
+                             f"belongs and the other way round)")
+        elif g64 is not None and w64 is not None and g64.shape == w64.shape and g64.size > 1:
+            shift = np.unique(g64 - w64)
+            if shift.size == 1 and shift[0] != 0:
+                found.append(f"{label} is the right one {'plus' if shift[0] > 0 else 'minus'} "
+                             f"{abs(int(shift[0]))} on every element (an index or count off by "
+                             f"{abs(int(shift[0]))})")
+    return found
 
 
 def _float_for_int(o: Outcome, names) -> list[str]:

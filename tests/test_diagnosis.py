@@ -592,3 +592,14 @@ def test_a_tiled_product_knows_its_steps_over_k_and_the_experiment_covers_k_in_o
     assert feats["a ragged last row tile"] and feats["a ragged last column tile"]
     changed = diagnosis.toggle("more than one step over K", {"a": a, "b": b, "block_k": 16})
     assert changed["block_k"] == 64
+
+
+def test_flags_negated_and_indices_off_by_a_constant_are_recognised():
+    flags = np.array([[True, False, True], [False, False, True]])
+    text = evidence([outcome(1, WRONG, got=~flags, want=flags)])
+    assert "exactly the right flags negated" in text, text
+    idx = np.array([0, 0, 1, 1, 2, 2])
+    assert "plus 1 on every element (an index or count off by 1)" in evidence(
+        [outcome(1, WRONG, got=idx + 1, want=idx)])
+    # not one constant: nothing said
+    assert evidence([outcome(1, WRONG, got=np.array([1, 0, 1, 1, 2, 2]), want=idx)]) == ""

@@ -127,6 +127,9 @@ D_MISTAKES = {
         lambda o, do: np.sum(do * do, axis=-1),
     "D is the product of two row sums, rowsum(dO) · rowsum(O): it is the sum of the products, "
     "rowsum(dO ∘ O)": lambda o, do: np.sum(do, axis=-1) * np.sum(o, axis=-1),
+    "every row of O was paired with every row of dO (o @ doᵀ, summed): D_i pairs row i of dO "
+    "with row i of O only, rowsum(dO ∘ O)":
+        lambda o, do: np.sum(o @ np.swapaxes(do, -1, -2), axis=-1),
 }
 
 
@@ -167,6 +170,10 @@ DS_MISTAKES = {
     "the product with P is missing: dS = P ∘ (dP − D)": lambda p, dp, d: dp - d[:, None],
     "used a matrix product (@) where dS needs the elementwise product (*)":
         lambda p, dp, d: p @ (dp - d[:, None]),
+    "the parentheses are missing: P ∘ dP − D subtracts D after the product; dS = P ∘ (dP − D)":
+        lambda p, dp, d: p * dp - d[:, None],
+    "P and dP swapped places: dS = P ∘ (dP − D), not dP ∘ (P − D)":
+        lambda p, dp, d: dp * (p - d[:, None]),
 }
 
 
@@ -223,8 +230,11 @@ def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None
     ds = {"ds_sign": p * (d_i[:, None] - dp), "no_d": p * dp}.get(mistake, p * (dp - d_i[:, None]))
     dv_new = p @ do_i if mistake == "dv_p_not_pt" else p.T @ do_i
     dk_scale = 1.0 if mistake == "dk_no_scale" else scale
-    dk_new = dk_scale * (ds @ q_i if mistake == "dk_ds_not_dst" else ds.T @ q_i)
-    if mistake != "overwrite":
+    dk_new = dk_scale * (ds @ q_i if mistake == "dk_ds_not_dst" else
+                         dp.T @ q_i if mistake == "dk_dp" else ds.T @ q_i)
+    if mistake == "dv_overwrite":
+        dk_new = dk_j + dk_new
+    elif mistake != "overwrite":
         dk_new, dv_new = dk_j + dk_new, dv_j + dv_new
     return (dk_new, dv_new, ds) if with_ds else (dk_new, dv_new)
 
@@ -262,6 +272,10 @@ DK_DV_MISTAKES = {
         _dk_dv_mistake("no_mask"),
     "the accumulators are overwritten, not added to: return dk_j + …, dv_j + …":
         _dk_dv_mistake("overwrite"),
+    "dv_j is overwritten, not added to: dv_j + Pᵀ dO_i keeps the earlier tiles' sum":
+        _dk_dv_mistake("dv_overwrite"),
+    "dK uses dP where dS belongs: dk_j += scale · dSᵀ q_i with dS = P ∘ (dP − D)":
+        _dk_dv_mistake("dk_dp"),
 }
 
 
@@ -659,11 +673,11 @@ def check_flash_backward(fn):
     exercise, cases, logs = "Exercise 7.4", backward_cases(), []
 
     def watched(q, k, v, o, lse, do, causal, scale, block_m, block_n):
-        log, (q_w, k_w) = ch04._watch({"q": q, "k": k})
-        logs.append(log)
-        out = fn(q_w, k_w, v, o, lse, do, causal, scale, block_m, block_n)
-        return type(out)(ch04._plain(e, touch=False) for e in out) \
-            if isinstance(out, (tuple, list)) else ch04._plain(out, touch=False)
+        logs.append(None)
+        out, record = grade_channel.run_with(fn, ch04.watched_call, ("q", "k"), q, k, v, o, lse,
+                                             do, causal, scale, block_m, block_n)
+        logs[-1] = ch04._LoadLog.from_data(record, {"q": q.shape, "k": k.shape})
+        return out
 
     chosen = _check_gradients(exercise, watched, _reference_backward, cases,
                               fallback=tb.flash_attention_numpy_backward,
@@ -672,11 +686,13 @@ def check_flash_backward(fn):
     if chosen is not watched:  # not done yet (quiet: say it here)
         return checks.not_done(exercise, chosen)
     for n, (case, log) in enumerate(zip(cases, logs), 1):
-        problem = hidden_tiles_computed(log, case)
+        hidden = hidden_tiles_computed(log, case)
+        problem = hidden or ch04.missing_loads(log, case.args[0].shape[-2], bool(case.args[6]))
         if problem:
+            what = "hidden tiles computed" if hidden else "a record of its loads that leaves some out"
             raise checks.failed_with(exercise, "\n".join(
-                [f"✗ {exercise}: right numbers, but hidden tiles computed on case {n} of "
-                 f"{len(cases)} — {case.label}", *problem]))
+                [f"✗ {exercise}: right numbers, but {what} on case {n} of {len(cases)} — "
+                 f"{case.label}", *problem]))
     checks.passed(exercise, f"✓ {exercise}: passed ({len(cases)} cases; no tile the causal mask "
                             f"hides was computed).")
     return fn
