@@ -1,7 +1,8 @@
 """course_lib — the helper library of the course "FlashAttention from scratch".
 
-One concept per module (see README.md for the map from chapters to modules). Importing
-``course_lib`` has no side effects: the public functions below are loaded on first use, and the
+One concept per module, grouped by layer (ARCHITECTURE.md; README.md maps chapters to modules).
+Importing ``course_lib`` decorates no kernel: the public functions below are loaded on first use;
+it only lets the module paths from before the layout still import (:mod:`course_lib._moved`). The
 one deliberate side effect — choosing Triton's interpreter or the GPU — happens in
 :func:`course_lib.runtime.setup` (called by each notebook's first cell, or automatically by the
 kernel modules before their first ``@triton.jit``).
@@ -25,6 +26,10 @@ The attention functions (and ``course_lib.kernels.decoding.flash_decode_triton``
 """
 
 from importlib import import_module
+
+from course_lib import _moved
+
+_moved.install()  # notebooks saved before the layout keep importing by the old module paths
 
 __version__ = "0.1.0"
 
