@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml | check-python
 setup: check-python $(STAMP)
 
 lab: setup
-	$(PY) -m course_lib.lab
+	$(PY) -m course_lib.platform.lab
 
 # Debian's Chromium for the real-browser test (no downloaded browser). If it cannot be
 # installed, the browser test skips and says why.
@@ -50,7 +50,7 @@ browser:
 	  fi; \
 	fi
 
-# Debian's bubblewrap, the sandbox in which course_lib.grade runs each learner notebook (the
+# Debian's bubblewrap, the sandbox in which course_lib.teaching.grade runs each learner notebook (the
 # hostile-notebook tests need it). If it cannot be installed, those tests skip and say why.
 sandbox:
 	@if ! command -v bwrap >/dev/null 2>&1; then \
@@ -68,13 +68,13 @@ test: setup browser sandbox
 	$(PY) -m pytest
 
 notebooks: setup
-	$(PY) -m course_lib.nbgen
+	$(PY) -m course_lib.teaching.nbgen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis test-artifacts
 
 # ---- make test-oldest: the oldest versions the course supports --------------------------------
-# The range is written once, in course_lib/versions.py (MINIMUM; also what the Colab installer
+# The range is written once, in course_lib/platform/versions.py (MINIMUM; also what the Colab installer
 # checks). This builds .venv-oldest with its OLDEST_TESTED pins (triton 3.6, numpy 2.0,
 # matplotlib 3.10, ipywidgets 7.7.1, tqdm 4.66) and the test tools at pyproject.toml's pins, and
 # runs the kernels in Triton's interpreter (forward, backward, API), the widgets and notebook 00
@@ -92,12 +92,12 @@ OLDEST_SKIP  := --deselect tests/test_widgets_tiling.py::test_play_speed_control
 
 .PHONY: test-oldest
 
-$(OLDEST_STAMP): course_lib/versions.py pyproject.toml | check-python
-	@echo "Building $(OLDEST_VENV) with the oldest supported versions: $$($(PYTHON) course_lib/versions.py --oldest)"
+$(OLDEST_STAMP): course_lib/platform/versions.py pyproject.toml | check-python
+	@echo "Building $(OLDEST_VENV) with the oldest supported versions: $$($(PYTHON) course_lib/platform/versions.py --oldest)"
 	rm -rf $(OLDEST_VENV)
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check \
-	  $$($(PYTHON) course_lib/versions.py --oldest) $$($(PYTHON) course_lib/versions.py --test-tools)
+	  $$($(PYTHON) course_lib/platform/versions.py --oldest) $$($(PYTHON) course_lib/platform/versions.py --test-tools)
 	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $(OLDEST_STAMP)
 
@@ -106,7 +106,7 @@ test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -m "not slow and not gpu" -W ignore::DeprecationWarning $(OLDEST_SKIP) $(OLDEST_TESTS)
 
 # ---- make test-newest: the newest Triton release ----------------------------------------------
-# course_lib/versions.py's NEWEST_TESTED Triton (3.9.0) goes into $(NEWEST_DIR) and in front of the
+# course_lib/platform/versions.py's NEWEST_TESTED Triton (3.9.0) goes into $(NEWEST_DIR) and in front of the
 # pinned environment (PYTHONPATH): torch stays the pinned CPU wheel (torch 2.14/2.15 on PyPI are
 # the CUDA builds, GBs). It runs the kernels in Triton's interpreter (forward, backward, API), the
 # Gluon spellings and fall-back (tests/test_compat.py), the Gluon kernels cross-compiled for sm_90,
@@ -121,11 +121,11 @@ NEWEST_TESTS := tests/test_kernels_forward.py tests/test_kernels_backward.py tes
 
 .PHONY: test-newest
 
-$(NEWEST_STAMP): course_lib/versions.py $(STAMP)
-	@echo "Installing $$($(PY) course_lib/versions.py --newest) into $(NEWEST_DIR), in front of $(VENV)"
+$(NEWEST_STAMP): course_lib/platform/versions.py $(STAMP)
+	@echo "Installing $$($(PY) course_lib/platform/versions.py --newest) into $(NEWEST_DIR), in front of $(VENV)"
 	rm -rf $(NEWEST_DIR)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(NEWEST_DIR) \
-	  $$($(PY) course_lib/versions.py --newest)
+	  $$($(PY) course_lib/platform/versions.py --newest)
 	@touch $(NEWEST_STAMP)
 
 # TRITON_DEFAULT_FP_FUSION=1: Triton 3.9 warns that its default will change in 3.10 unless it is

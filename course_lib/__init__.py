@@ -4,7 +4,7 @@ One concept per module, grouped by layer (ARCHITECTURE.md; README.md maps chapte
 Importing ``course_lib`` decorates no kernel: the public functions below are loaded on first use;
 it only lets the module paths from before the layout still import (:mod:`course_lib._moved`). The
 one deliberate side effect — choosing Triton's interpreter or the GPU — happens in
-:func:`course_lib.runtime.setup` (called by each notebook's first cell, or automatically by the
+:func:`course_lib.platform.runtime.setup` (called by each notebook's first cell, or automatically by the
 kernel modules before their first ``@triton.jit``).
 
 Public API (a contract: tests outside the project call these names):
@@ -15,7 +15,7 @@ Public API (a contract: tests outside the project call these names):
   block_mask=None)`` — forward only, ``(o, lse)``.
 - ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
   causal=False, scale=None, window=None, return_lse=False)`` — packed variable-length batches.
-- ``BlockMask`` — which K/V tiles each Q tile visits (:mod:`course_lib.blockmask`).
+- ``BlockMask`` — which K/V tiles each Q tile visits (:mod:`course_lib.attention.blockmask`).
 - ``flash_attention_numpy(q, k, v, causal=False, scale=None, block_m=..., block_n=...)``.
 - ``flash_attention_numpy_backward(q, k, v, o, lse, do, causal=False, scale=None, ...)``.
 - ``online_softmax(x, block_size)``.
@@ -38,10 +38,10 @@ _PUBLIC = {
     "flash_attention": "course_lib.kernels.api",
     "flash_attention_with_lse": "course_lib.kernels.api",
     "flash_attention_varlen": "course_lib.kernels.api",
-    "BlockMask": "course_lib.blockmask",
-    "flash_attention_numpy": "course_lib.tiled",
-    "flash_attention_numpy_backward": "course_lib.tiled_backward",
-    "online_softmax": "course_lib.softmax",
+    "BlockMask": "course_lib.attention.blockmask",
+    "flash_attention_numpy": "course_lib.attention.tiled",
+    "flash_attention_numpy_backward": "course_lib.attention.tiled_backward",
+    "online_softmax": "course_lib.attention.softmax",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -2,7 +2,7 @@
 
 Kernels, NumPy code, checks and notebooks import these instead of retyping them. Numbers that
 belong to one concept stay with the module that owns it (tolerances by dtype in
-:data:`course_lib.checks.TOLERANCES`, hardware figures in :mod:`course_lib.hardware`, block sizes
+:data:`course_lib.teaching.checks.TOLERANCES`, hardware figures in :mod:`course_lib.platform.hardware`, block sizes
 in :mod:`course_lib.kernels.tuning`).
 """
 

@@ -137,7 +137,7 @@ def news_prompt(page):
 
 def watch_for_news_prompt(page) -> list[str]:
     """Record every time the news toast shows (the course's lab must never show it: `make lab`
-    sets ``fetchNews`` to "false", see course_lib/lab.py), closing it so that the test goes on
+    sets ``fetchNews`` to "false", see course_lib/platform/lab.py), closing it so that the test goes on
     and fails at the end with the evidence. Returns the list the sightings are appended to.
 
     It is closed (×), not answered: "No" would be stored in the user's JupyterLab settings.
@@ -161,7 +161,7 @@ def assert_no_news_prompt(page) -> None:
     """The news toast is not showing now (checked before every screenshot)."""
     assert not news_prompt(page).count(), (
         "JupyterLab shows its news pop-up; the course's lab should have fetchNews = \"false\" "
-        "(course_lib/lab.py install_settings)")
+        "(course_lib/platform/lab.py install_settings)")
 
 
 def fail_on_dialog(page) -> None:

@@ -16,7 +16,7 @@ _CHAPTER_RE = re.compile(r"^(\d\d)_")
 def pytest_configure(config):
     """Choose GPU or interpreter once, before any test module imports torch.optim, triton or a
     kernel module (as every notebook's first cell does)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     runtime.setup(verbose=False)
 
@@ -78,7 +78,7 @@ def _expected_seconds(item) -> float:
 
 def _gpu_mode() -> bool:
     """True when the course runs its kernels on a GPU (a CUDA GPU Triton supports)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return runtime.current().on_gpu
 
@@ -92,17 +92,17 @@ def pytest_runtest_setup(item):
 @pytest.fixture
 def device() -> str:
     """The torch device tests run kernels on: CUDA when present, else CPU (Triton interpreter)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return runtime.current().device
 
 
 @pytest.fixture(autouse=True)
 def _library_answers_allowed(request):
-    """The tests hand the checks mistake models and answer keys defined in course_lib.exercises
+    """The tests hand the checks mistake models and answer keys defined in course_lib.teaching.exercises
     as if a learner had written them; a test marked ``library_answers_refused`` sees the checks
     as a notebook does (library objects are "not done yet", never ✓)."""
-    from course_lib import checks
+    from course_lib.teaching import checks
 
     allowed = request.node.get_closest_marker("library_answers_refused") is None
     with checks.library_answers_allowed(allowed):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.checks import ExerciseFailed
+from course_lib.teaching.checks import ExerciseFailed
 
 
 def assert_cause(message: str, mistakes, cause: str | None) -> None:

@@ -12,7 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from course_lib.lab import ROOT, install_settings, lab_command
+from course_lib.platform.lab import ROOT, install_settings, lab_command
 
 START_TIMEOUT_S = 90
 

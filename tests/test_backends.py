@@ -4,7 +4,7 @@ Each forward the course builds (NumPy FA2 and FA1 loop orders, NumPy with a mask
 chapter 06 teaching kernel, the library Triton kernel) and each backward (NumPy tiled, Triton
 through autograd) runs on shapes drawn by Hypothesis: N_q and N_k unrelated and rarely a multiple of
 a tile, small tiles so that every case spans several, causal or not, one or two leading dims. All
-are compared with ``course_lib.reference`` (float64). A new implementation joins by adding one
+are compared with ``course_lib.attention.reference`` (float64). A new implementation joins by adding one
 entry to ``FORWARDS`` or ``BACKWARDS``.
 """
 
@@ -16,9 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course_lib import flash_attention, runtime, tiled, tiled_backward
+from course_lib import flash_attention
+from course_lib.platform import runtime
+from course_lib.attention import tiled, tiled_backward
 from course_lib.kernels import teaching
-from course_lib.reference import naive_attention_numpy, naive_attention_torch
+from course_lib.attention.reference import naive_attention_numpy, naive_attention_torch
 
 pytestmark = [pytest.mark.ch04, pytest.mark.ch06, pytest.mark.ch07]
 
@@ -145,7 +147,7 @@ def test_every_backward_matches_the_reference(name, problem):
 @given(problem=problems(max_n=60), window=st.integers(1, 20))
 def test_the_masked_forward_matches_the_masked_reference(problem, window):
     """The same loop with a sliding-window rule: tiles outside the band skipped, others masked."""
-    from course_lib import masks
+    from course_lib.attention import masks
 
     q, k, v, _ = problem
     o, lse = masks.sliding_window_attention_numpy(q, k, v, window, **NUMPY_BLOCKS)

@@ -1,4 +1,4 @@
-"""course_lib.bench: the recorded results, tables, ratios, plots and the notebook cell (CPU paths)."""
+"""course_lib.measure.bench: the recorded results, tables, ratios, plots and the notebook cell (CPU paths)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from course_lib import bench  # noqa: E402
+from course_lib.measure import bench  # noqa: E402
 
 pytestmark = [pytest.mark.ch06, pytest.mark.ch07]
 
@@ -121,7 +121,7 @@ def test_flops_convention():
 
 
 def test_notebook_cell_on_cpu(capsys, monkeypatch, tmp_path):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if runtime.current().on_gpu:
         pytest.skip("the CPU path shows recorded results")
@@ -156,7 +156,7 @@ def test_one_pass_table_shows_each_recorded_cell_and_its_ratio(tmp_path):
     recorded numbers, and the provenance; a cell missing a variant is left out."""
     import json
 
-    from course_lib import bench
+    from course_lib.measure import bench
 
     meta = {"gpu": "GPU X", "driver": "1", "torch": "2", "triton": "3", "date": "2026-01-02"}
     rows = [{"dtype": "float16", "d": 64, "N": 4096, "causal": True, "variant": v, "config": None, "tflops": t}
@@ -176,7 +176,7 @@ def test_one_pass_table_shows_each_recorded_cell_and_its_ratio(tmp_path):
 def test_grid_arguments_default_to_the_whole_grid():
     import argparse
 
-    from course_lib import bench
+    from course_lib.measure import bench
 
     parser = argparse.ArgumentParser()
     bench.add_grid_arguments(parser)
@@ -247,7 +247,7 @@ def test_grid_timer_eager_is_the_eager_loop(monkeypatch):
 def test_overhead_row_on_cpu_in_the_interpreter():
     """The runner's row for the course kernel, measured for real in the interpreter at a tiny shape
     (its number means nothing off the GPU; its format is the record's)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if runtime.current().on_gpu:
         pytest.skip("the CPU path; on a GPU the lead's run records the real numbers")
@@ -346,7 +346,7 @@ def test_overhead_cell_and_cli_show_the_record(capsys, monkeypatch, tmp_path):
     provenance (the timer included); without one, the cell says how to make it."""
     import json
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if runtime.current().on_gpu:
         pytest.skip("the CPU path shows recorded results")
@@ -371,11 +371,11 @@ def test_gpu_tag_names_the_record():
 
 
 def test_recorded_overhead_file():
-    """The H100 record, once the lead has made it (``python -m course_lib.bench --overhead`` on the
+    """The H100 record, once the lead has made it (``python -m course_lib.measure.bench --overhead`` on the
     H100): readable, and it holds issue 33's cell for course and SDPA's FlashAttention-2."""
     data = bench.load_overhead("h100")
     if data is None:
-        pytest.skip(f"not recorded yet: {bench.overhead_path('h100')} (run python -m course_lib.bench --overhead "
+        pytest.skip(f"not recorded yet: {bench.overhead_path('h100')} (run python -m course_lib.measure.bench --overhead "
                     "on the H100)")
     for impl in ("course", "sdpa_flash"):
         for pass_ in bench.PASSES:
@@ -390,7 +390,7 @@ def test_profile_overhead_tool_on_cpu(tmp_path):
     import json
     from pathlib import Path
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if runtime.current().on_gpu:
         pytest.skip("the CPU run; on the GPU the lead runs the tool itself")

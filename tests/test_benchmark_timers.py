@@ -37,11 +37,11 @@ TIMING_CALLS = {
     "a host clock (time.perf_counter, time.time, time.monotonic)": r"\btime\.(perf_counter|time|monotonic)(_ns)?\(",
     "torch.cuda.Event": r"\bcuda\.Event\(",
     "timeit": r"\btimeit\b",
-    "course_lib.bench's timers and grid": r"\bbench\.(notebook_cell|overhead_cell|run_grid|run_overhead|measure\w*"
+    "course_lib.measure.bench's timers and grid": r"\bbench\.(notebook_cell|overhead_cell|run_grid|run_overhead|measure\w*"
                                          r"|time_eager\w*|_time_ms)\(",
     "model_bench's training timer": r"\bmodel_bench\.(measure_grid|measure_training)\(",
     # showing recorded timings
-    "course_lib.bench's tables, ratios and plots": r"\bbench\.(one_pass_table|format_table|format_overhead|ratios"
+    "course_lib.measure.bench's tables, ratios and plots": r"\bbench\.(one_pass_table|format_table|format_overhead|ratios"
                                                    r"|overhead_ratios|plot)\(",
     "decoding's recorded benchmark": r"\bdecoding\.format_recorded_bench\(",
     "hopper_results' timings": r"\bhopper_results\.(format_ablation|plot_ablation|ablation|tflops|best_config"
@@ -58,10 +58,10 @@ TIMING_CALLS = {
 
 # How a printed line names a timer (one phrase per timer, as the library prints them).
 TIMER_PHRASES = (
-    "CUDA graph",        # course_lib.bench's default timer
+    "CUDA graph",        # course_lib.measure.bench's default timer
     "do_bench",          # triton.testing.do_bench
     "CUDA events",       # do_bench's clock, and the ring's per-step trace on a GPU
-    "timed eagerly",     # course_lib.bench's eager timer
+    "timed eagerly",     # course_lib.measure.bench's eager timer
     "wall clock",        # loops timed by the host's clock: training, the ring's calls
     "host clock",        # the ring's per-step trace on CPU
 )
@@ -217,7 +217,7 @@ def _printed_on_cpu(call, capsys) -> str:
     """What ``call()`` prints on this CPU machine (the recorded results); closes its figures."""
     import matplotlib.pyplot as plt
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if runtime.current().on_gpu:
         pytest.skip("on a GPU this cell measures live; its CPU path shows the recorded results")
@@ -232,7 +232,8 @@ def _witnesses() -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
-    from course_lib import bench, decoding, hopper_results, mask_results, model_bench, ring_results
+    from course_lib.measure import bench, hopper_results, mask_results, model_bench, ring_results
+    from course_lib.attention import decoding
 
     def bench_provenance(capsys):
         return "\n".join(bench.provenance(_recorded_or_skip(bench.load_recorded("h100", timer), f"the {timer} grid"))
@@ -273,7 +274,7 @@ def _witnesses() -> dict:
 
 def test_a_recorded_file_names_its_timer_and_the_rows_another_one_measured():
     """A row that no CUDA graph could capture was timed with events: the summary says how many."""
-    from course_lib import bench
+    from course_lib.measure import bench
 
     rows = [{"timer": "cudagraph"}, {"timer": "events"}, {}]  # the last one: the meta's timer
     assert bench.timer_summary({"meta": {"timer": "cudagraph"}, "rows": rows}) == (

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import blockmask as bm
-from course_lib.masks import FULL, PARTIAL, SKIP, sliding_window_tile_classes
+from course_lib.attention import blockmask as bm
+from course_lib.attention.masks import FULL, PARTIAL, SKIP, sliding_window_tile_classes
 
 pytestmark = pytest.mark.ch10
 

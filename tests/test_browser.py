@@ -67,24 +67,24 @@ class WidgetChapter:
 
 
 WIDGET_CHAPTERS = [
-    WidgetChapter("01", "01_", "memory-vs-N slider (course_lib/widgets/memory.py)",
+    WidgetChapter("01", "01_", "memory-vs-N slider (course_lib/teaching/widgets/memory.py)",
                   anchor="sequence length N",
                   actions=(Action("slider", "sequence length N"), Action("slider", "heads H", 3),
                            Action("drag", "heads H"), Action("dropdown", "GPU"))),
     WidgetChapter("02", "02_", "arithmetic-intensity calculator and roofline "
-                  "(course_lib/widgets/roofline.py)",
+                  "(course_lib/teaching/widgets/roofline.py)",
                   anchor="sequence length N",
                   actions=(Action("slider", "sequence length N"), Action("slider", "head dim d"),
                            Action("drag", "sequence length N"), Action("dropdown", "GPU"))),
-    WidgetChapter("03", "03_", "online-softmax stepper (course_lib/widgets/softmax_stepper.py)",
+    WidgetChapter("03", "03_", "online-softmax stepper (course_lib/teaching/widgets/softmax_stepper.py)",
                   anchor="Next tile",
                   actions=(Action("button", "Next tile", 2), Action("button", "Reset"),
                            Action("slider", "Block size"))),
-    WidgetChapter("04", "04_", "tiling simulator (course_lib/widgets/tiling.py)",
+    WidgetChapter("04", "04_", "tiling simulator (course_lib/teaching/widgets/tiling.py)",
                   anchor="Step",
                   actions=(Action("button", "Step", 3), Action("button", "Reset"),
                            Action("slider", "BLOCK_M (B_r)"), Action("drag", "Sequence length N"))),
-    WidgetChapter("08", "08_", "KV-cache memory calculator (course_lib/widgets/kvcache.py)",
+    WidgetChapter("08", "08_", "KV-cache memory calculator (course_lib/teaching/widgets/kvcache.py)",
                   anchor="Context length N",
                   actions=(Action("slider", "Context length N"), Action("slider", "Batch B (sequences)"),
                            Action("dropdown", "GPU"))),
@@ -157,7 +157,7 @@ def notebook_page(lab, browser):
             path.write_bytes(before)
             pytest.fail(f"the browser wrote to {relpath}; restored it")
     assert not news, f"JupyterLab showed its news pop-up ({news[0]!r}): the course's lab sets " \
-                     "fetchNews = \"false\" (course_lib/lab.py) so that it never shows"
+                     "fetchNews = \"false\" (course_lib/platform/lab.py) so that it never shows"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -373,7 +373,7 @@ def test_no_false_pass_when_only_the_check_cell_is_rerun(notebook_page, lab, cas
 def test_stepper_block_size_reaches_n_in_the_browser(notebook_page):
     """Chapter 03's stepper starts on a 4-score row; on a 12-score row the Block size slider must
     reach 12 with the End key (the slider on the page once kept its first range: End gave 4)."""
-    from course_lib.widgets import softmax_stepper as ws
+    from course_lib.teaching.widgets import softmax_stepper as ws
 
     page, open_ = notebook_page
     path = chapter_notebook("03_")
@@ -436,8 +436,8 @@ def shown(text: str, length: int = 60) -> str:
 def test_concept_check_in_the_browser(notebook_page):
     """Chapter 01's concept check renders, answers a wrong and a right choice and a number with
     ✗/✓ and the explanation, and nothing in it is cut off."""
-    from course_lib import concept_questions
-    from course_lib.widgets.quiz import MultipleChoice, Numeric
+    from course_lib.teaching import concept_questions
+    from course_lib.teaching.widgets.quiz import MultipleChoice, Numeric
 
     page, open_ = notebook_page
     path = chapter_notebook(f"{QUIZ_CHAPTER}_")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import checks
-from course_lib.checks import Case, ExerciseFailed, check_function, check_value
+from course_lib.teaching import checks
+from course_lib.teaching.checks import Case, ExerciseFailed, check_function, check_value
 
 pytestmark = pytest.mark.ch00
 

@@ -1,5 +1,5 @@
-"""Google Colab: the first cell of every notebook, the installer it calls (course_lib.colab), the
-supported version range (course_lib.versions) and the mode line on Colab's GPUs. Colab is faked
+"""Google Colab: the first cell of every notebook, the installer it calls (course_lib.platform.colab), the
+supported version range (course_lib.platform.versions) and the mode line on Colab's GPUs. Colab is faked
 here (a ``google.colab`` module in ``sys.modules``, pip replaced by a recorder)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from course_lib import colab, nbgen, runtime, versions
+from course_lib.platform import colab, runtime, versions
+from course_lib.teaching import nbgen
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.ch00
@@ -97,10 +98,10 @@ def test_the_course_pins_lie_within_the_supported_range():
 
 
 def test_versions_script_prints_the_oldest_pins():
-    out = subprocess.run([sys.executable, str(ROOT / "course_lib" / "versions.py"), "--oldest"],
+    out = subprocess.run([sys.executable, str(ROOT / "course_lib" / "platform" / "versions.py"), "--oldest"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == versions.oldest_pins()
-    bad = subprocess.run([sys.executable, str(ROOT / "course_lib" / "versions.py")],
+    bad = subprocess.run([sys.executable, str(ROOT / "course_lib" / "platform" / "versions.py")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "usage" in bad.stderr
 
@@ -174,7 +175,7 @@ def test_every_notebook_opens_with_the_colab_cell(path):
     code = [c for c in cells if c["cell_type"] == "code"]
     assert code[0]["id"] == nbgen.COLAB_CELL_ID and cells[0]["cell_type"] == "markdown"
     assert nbgen._source(code[0]) == nbgen.colab_cell_source(colab.repository_url())
-    assert nbgen._source(code[1]).startswith("from course_lib import runtime")
+    assert nbgen._source(code[1]).startswith("from course_lib.platform import runtime")
 
 
 def _run_cell(repository: str) -> dict:

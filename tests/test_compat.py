@@ -171,7 +171,7 @@ def gluon_modules():
 @pytest.fixture
 def interpreter():
     """The fall-back's Triton kernels run on CPU tensors, in Triton's interpreter."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if not runtime.current().interpreted:
         pytest.skip("the fall-back runs here on CPU tensors in Triton's interpreter; on a GPU "

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib import concept_questions
-from course_lib.widgets.quiz import MultipleChoice, Numeric
+from course_lib.teaching import concept_questions
+from course_lib.teaching.widgets.quiz import MultipleChoice, Numeric
 
 # Every chapter with a notebook (01 onwards; 00 is the set-up) has a concept check.
 SOLUTIONS = Path(__file__).parents[1] / "solutions"
@@ -159,15 +159,15 @@ def test_every_numeric_answer_is_checked_here(chapter):
 
 
 def test_the_questions_import_no_widget_module():
-    """No import cycle: the questions need only the question types (course_lib.quiz_types); the
+    """No import cycle: the questions need only the question types (course_lib.teaching.quiz_types); the
     quiz widget imports the questions, never the other way round."""
     import subprocess
     import sys
 
-    code = ("import sys; import course_lib.concept_questions as cq; "
-            "assert 'course_lib.widgets.quiz' not in sys.modules, 'widget module imported'; "
+    code = ("import sys; import course_lib.teaching.concept_questions as cq; "
+            "assert 'course_lib.teaching.widgets.quiz' not in sys.modules, 'widget module imported'; "
             "assert 'ipywidgets' not in sys.modules, 'ipywidgets imported'; "
-            "from course_lib.widgets import quiz; "
+            "from course_lib.teaching.widgets import quiz; "
             "assert quiz.MultipleChoice is cq.MultipleChoice; "
             "assert len(quiz.concept_check('08').views) == len(cq.questions('08'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,12 +1,12 @@
-"""Tests for course_lib.costmodel: memory, per-step FLOPs and bytes, intensity, roofline."""
+"""Tests for course_lib.attention.costmodel: memory, per-step FLOPs and bytes, intensity, roofline."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib import costmodel as cm
-from course_lib.hardware import GPUS, balance_point
+from course_lib.attention import costmodel as cm
+from course_lib.platform.hardware import GPUS, balance_point
 
 pytestmark = pytest.mark.ch02
 

@@ -1,4 +1,4 @@
-"""course_lib.decoding: the cost of a decoding step and split-KV decoding (flash-decoding) —
+"""course_lib.attention.decoding: the cost of a decoding step and split-KV decoding (flash-decoding) —
 checked against the repeat-K/V reference and torch SDPA."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib import decoding as dc
-from course_lib.hardware import GPUS, balance_point
+from course_lib.attention import decoding as dc
+from course_lib.platform.hardware import GPUS, balance_point
 
 pytestmark = pytest.mark.ch08
 

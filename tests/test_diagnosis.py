@@ -1,4 +1,4 @@
-"""The differential diagnosis (course_lib.diagnosis), as every check uses it, and the messages that
+"""The differential diagnosis (course_lib.teaching.diagnosis), as every check uses it, and the messages that
 issue 32 found misleading: each wrong answer is built here and its new message asserted, with the
 old misleading phrase gone."""
 
@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from corpus_checks import assert_rejected
-from course_lib import checks, diagnosis, kernel_checks
-from course_lib.checks import Case, ExerciseFailed, check_function
+from course_lib.teaching import checks, diagnosis, kernel_checks
+from course_lib.teaching.checks import Case, ExerciseFailed, check_function
 from course_lib.constants import LN_2, LOG2_E
-from course_lib.diagnosis import RIGHT, WRONG, Outcome
-from course_lib.reference import naive_attention_numpy
+from course_lib.teaching.diagnosis import RIGHT, WRONG, Outcome
+from course_lib.attention.reference import naive_attention_numpy
 
 TOL = (1e-9, 1e-7)
 
 
 def _on_gpu() -> bool:
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return runtime.current().on_gpu
 
@@ -409,7 +409,7 @@ def test_a_tensors_own_strides_swapped_are_not_blamed_on_another_tensor(tile_ker
 
 
 def test_11_1_has_rows_far_apart_in_one_call_and_names_the_unweighted_block():
-    from course_lib.exercises import ch11
+    from course_lib.teaching.exercises import ch11
 
     far = [c for c in ch11._merge_cases() if "far apart" in c.label]
     assert len(far) == 1 and far[0].args[1].dtype == torch.float32
@@ -435,7 +435,7 @@ def test_11_1_has_rows_far_apart_in_one_call_and_names_the_unweighted_block():
 
 
 def test_11_2_names_its_outputs_and_shows_no_function_address():
-    from course_lib.exercises import ch11
+    from course_lib.teaching.exercises import ch11
 
     def no_merge(q_shards, k_shards, v_shards, causal, layout, attend):
         return ch11.simulate_ring(q_shards, k_shards, v_shards, causal, layout, attend,
@@ -461,7 +461,7 @@ def test_11_2_names_its_outputs_and_shows_no_function_address():
 
 @pytest.mark.library_answers_refused
 def test_not_done_names_the_learners_own_name_not_the_librarys(capsys):
-    from course_lib.exercises import ch10
+    from course_lib.teaching.exercises import ch10
 
     block_sparse_kernel = ch10.BLOCK_SPARSE_KERNEL  # what a first run of the check handed back
     block_sparse_kernel = ch10.check_block_sparse_kernel(block_sparse_kernel)
@@ -473,7 +473,7 @@ def test_not_done_names_the_learners_own_name_not_the_librarys(capsys):
 
 @pytest.mark.library_answers_refused
 def test_not_done_without_a_readable_line_names_no_library_internals(capsys):
-    from course_lib.exercises import ch10
+    from course_lib.teaching.exercises import ch10
 
     check = ch10.check_varlen_kernel
     exec("check(ch10.VARLEN_KERNEL)", {"check": check, "ch10": ch10})  # no source line to read
@@ -485,7 +485,7 @@ def test_not_done_without_a_readable_line_names_no_library_internals(capsys):
 def test_diagnosis_is_one_module_used_by_every_check():
     """Issue 32: the differential diagnosis lives once, in the check layer."""
     assert checks.diagnosis is diagnosis and kernel_checks.checks is checks
-    source = sys.modules["course_lib.checks"].__file__
+    source = sys.modules["course_lib.teaching.checks"].__file__
     assert "diagnosis.diagnose(" in open(source, encoding="utf-8").read()
 
 

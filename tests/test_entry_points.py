@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 pytestmark = [pytest.mark.ch00, pytest.mark.slow]
 
@@ -29,8 +29,8 @@ IMPORT_ORDERS = {
     "course_lib only": "import course_lib",
     "triton first": "import triton, triton.language as tl\nimport torch\nimport course_lib",
     "kernel module directly": "import torch\nimport course_lib.kernels.forward\nimport course_lib",
-    "checks first": "from course_lib.exercises import ch05\nimport course_lib",
-    "setup first (notebooks)": "from course_lib import runtime\nruntime.setup(verbose=False)\nimport course_lib",
+    "checks first": "from course_lib.teaching.exercises import ch05\nimport course_lib",
+    "setup first (notebooks)": "from course_lib.platform import runtime\nruntime.setup(verbose=False)\nimport course_lib",
 }
 
 # Every public entry point, called the way a user would; prints one JSON line of results.
@@ -39,7 +39,7 @@ import json, math, contextlib, io
 import numpy as np
 import torch
 import torch.nn.functional as F
-from course_lib import runtime
+from course_lib.platform import runtime
 dev = runtime.current().device
 torch.manual_seed(0)
 res = {"mode": runtime.current().mode}
@@ -58,18 +58,18 @@ o2, lse = course_lib.flash_attention_with_lse(q, k, v)
 ref_lse = torch.logsumexp(q @ k.transpose(-1, -2) / math.sqrt(64), dim=-1)
 res["lse"] = (lse - ref_lse).abs().max().item()
 
-from course_lib import primer
+from course_lib.kernels import primer
 x, y = torch.randn(1000, device=dev), torch.randn(1000, device=dev)
 res["primer_add"] = (primer.vector_add(x, y) - (x + y)).abs().max().item()
 
-from course_lib import checks
-from course_lib.exercises import ch05
+from course_lib.teaching import checks
+from course_lib.teaching.exercises import ch05
 with contextlib.redirect_stdout(io.StringIO()) as out, checks.library_answers_allowed():
     ch05.check_add_kernel(primer.add_kernel)
     ch05.check_softmax_kernel(primer.softmax_kernel)
 res["checks"] = out.getvalue()
 
-from course_lib import decoding
+from course_lib.attention import decoding
 qd = np.random.default_rng(0).standard_normal((2, 4, 32))
 kd = np.random.default_rng(1).standard_normal((2, 4, 300, 32))
 vd = np.random.default_rng(2).standard_normal((2, 4, 300, 32))
@@ -130,7 +130,7 @@ def test_bench_show_recorded_from_a_fresh_process(interpret_env):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret_env is not None:
         env["TRITON_INTERPRET"] = interpret_env
-    out = subprocess.run([sys.executable, "-m", "course_lib.bench", "--show-recorded", "h100"],
+    out = subprocess.run([sys.executable, "-m", "course_lib.measure.bench", "--show-recorded", "h100"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "H100" in out.stdout and "course ÷ sdpa_flash: median" in out.stdout
@@ -159,7 +159,7 @@ def test_member_functions_work_after_the_switch():
     """``x.sum()`` and ``tl.cdiv`` inside a kernel, with triton imported before the switch."""
     code = textwrap.dedent("""
         import triton, triton.language as tl, torch
-        from course_lib import runtime
+        from course_lib.platform import runtime
         rt = runtime.setup(verbose=False)
 
         @triton.jit
@@ -187,7 +187,7 @@ def test_redecorating_converts_both_ways():
         import triton, triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
-        from course_lib import runtime
+        from course_lib.platform import runtime
         before = type(tl.cdiv).__name__
         n_on = runtime._redecorate_triton_language(True)
         on = (type(tl.cdiv) is InterpretedFunction  # interpreted members sit inside a wrapper

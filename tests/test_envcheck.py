@@ -2,7 +2,7 @@
 
 import pytest
 
-from course_lib import envcheck
+from course_lib.platform import envcheck
 
 pytestmark = pytest.mark.ch00
 

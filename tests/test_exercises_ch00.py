@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch00
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch00
 
 pytestmark = pytest.mark.ch00
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch01
-from course_lib.reference import naive_attention_numpy
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch01
+from course_lib.attention.reference import naive_attention_numpy
 
 pytestmark = pytest.mark.ch01
 
@@ -600,7 +600,7 @@ def test_standard_stub_falls_back_to_the_oracle(capsys):
     def stub(q, k, v, causal=False, scale=None):
         raise NotImplementedError("Exercise 1.3")
 
-    from course_lib.reference import naive_attention_numpy
+    from course_lib.attention.reference import naive_attention_numpy
 
     assert ch01.check_standard_attention(stub) is naive_attention_numpy
     assert "Exercise 1.3: not done yet" in capsys.readouterr().out
@@ -623,7 +623,7 @@ def test_standard_cases_tell_the_mistakes_apart():
 
 
 def test_standard_hints_and_skeleton_render():
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 1.3", ch01.STANDARD_HINTS, skeleton=ch01.STANDARD_SKELETON)
     while ladder.next_hint():

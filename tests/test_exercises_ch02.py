@@ -3,8 +3,8 @@ realistic wrong ones is rejected and diagnosed by name."""
 
 import pytest
 
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch02
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch02
 
 pytestmark = pytest.mark.ch02
 
@@ -52,7 +52,7 @@ def softmax_reads_three_times(seq_len, head_dim, bytes_per_elem):  # one read pe
 
 
 def softmax_valid_constants(seq_len, head_dim, bytes_per_elem):
-    from course_lib import costmodel
+    from course_lib.attention import costmodel
 
     elements = seq_len**2
     return costmodel.SOFTMAX_FLOPS_PER_ELEMENT * elements / (2 * elements * bytes_per_elem)
@@ -172,7 +172,7 @@ def test_not_done_and_garbage():
     def stub(seq_len, head_dim, bytes_per_elem):
         raise NotImplementedError
 
-    from course_lib import costmodel
+    from course_lib.attention import costmodel
 
     assert ch02.check_qk_intensity(stub, quiet=True) is costmodel.qk_intensity
     with pytest.raises(ExerciseFailed, match="returned None"):
@@ -183,7 +183,8 @@ def test_not_done_and_garbage():
 
 # ---- Exercise 2.3: the whole cost table ------------------------------------------------------
 
-from course_lib import costmodel, hardware  # noqa: E402
+from course_lib.attention import costmodel  # noqa: E402
+from course_lib.platform import hardware
 
 
 def _learner_table(seq_len, head_dim, dtype, copies, gpu_name, causal=True, dropout=True, *,
@@ -383,7 +384,7 @@ def test_reference_table_is_the_cost_model():
 
 
 def test_table_hints_and_skeleton():
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 2.3", ch02.TABLE_HINTS, skeleton=ch02.TABLE_SKELETON)
     assert ladder.next_hint() == ch02.TABLE_HINTS[0]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib import softmax
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch03
+from course_lib.attention import softmax
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch03
 
 pytestmark = pytest.mark.ch03
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from corpus_checks import assert_rejected
-from course_lib import iomodel, tiled
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch04
+from course_lib.attention import iomodel, tiled
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch04
 
 pytestmark = pytest.mark.ch04
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()
 
@@ -18,10 +18,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from course_lib import primer  # noqa: E402
-from course_lib.checks import ExerciseFailed  # noqa: E402
-from course_lib import kernel_checks  # noqa: E402
-from course_lib.exercises import ch05  # noqa: E402
+from course_lib.kernels import primer  # noqa: E402
+from course_lib.teaching.checks import ExerciseFailed  # noqa: E402
+from course_lib.teaching import kernel_checks  # noqa: E402
+from course_lib.teaching.exercises import ch05  # noqa: E402
 
 pytestmark = pytest.mark.ch05
 
@@ -647,7 +647,7 @@ def test_matmul_cases_are_exact_in_every_precision():
 def test_matmul_hints_and_skeleton_fit_the_hint_ladder():
     import ast
 
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 5.3", ch05.MATMUL_HINTS, skeleton=ch05.MATMUL_SKELETON)
     shown = [ladder.next_hint() for _ in ch05.MATMUL_HINTS]

@@ -8,7 +8,7 @@ one clear message.
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()
 
@@ -16,9 +16,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from course_lib.checks import ExerciseFailed  # noqa: E402
-from course_lib import kernel_checks  # noqa: E402
-from course_lib.exercises import ch05, ch06  # noqa: E402
+from course_lib.teaching.checks import ExerciseFailed  # noqa: E402
+from course_lib.teaching import kernel_checks  # noqa: E402
+from course_lib.teaching.exercises import ch05, ch06  # noqa: E402
 from course_lib.kernels.tiles import LOG2_E  # noqa: E402
 
 pytestmark = pytest.mark.ch06

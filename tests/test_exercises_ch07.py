@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from corpus_checks import assert_rejected  # noqa: E402
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
 import time  # noqa: E402
 
-from course_lib import tiled_backward as tb  # noqa: E402
-from course_lib.checks import ExerciseFailed  # noqa: E402
-from course_lib.exercises import ch07  # noqa: E402
+from course_lib.attention import tiled_backward as tb  # noqa: E402
+from course_lib.teaching.checks import ExerciseFailed  # noqa: E402
+from course_lib.teaching.exercises import ch07  # noqa: E402
 
 pytestmark = pytest.mark.ch07
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from corpus_checks import assert_rejected  # noqa: E402
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
@@ -19,8 +19,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from course_lib import checks
-from course_lib.exercises import ch07  # noqa: E402
+from course_lib.teaching import checks
+from course_lib.teaching.exercises import ch07  # noqa: E402
 from course_lib.kernels import backward  # noqa: E402
 from course_lib.kernels.api import FlashAttentionFunction  # noqa: E402
 from course_lib.kernels.forward import attention_forward  # noqa: E402

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from corpus_checks import assert_cause, one  # noqa: F401
-from course_lib import decoding
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch08
+from course_lib.attention import decoding
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch08
 
 pytestmark = pytest.mark.ch08
 
@@ -21,7 +21,7 @@ def expect(cpu, gpu):
     id, and NumPy traces a NaN to the kernel's line; on a GPU the guard is off and the guarded
     buffers diagnose it after the launch (values written outside an output, NaN that came from
     an input's margin)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return gpu if runtime.current().on_gpu else cpu
 
@@ -536,7 +536,7 @@ def test_each_wrong_split_kernel_is_rejected_and_never_misdiagnosed(mistake):
 
 def test_every_split_mistake_model_is_named_on_its_own_output():
     """Each model, handed to the check as an answer, is singled out by the evidence."""
-    from course_lib.checks import check_function
+    from course_lib.teaching.checks import check_function
 
     cases = ch08._split_kernel_cases("cpu")
     for cause, model in ch08.SPLIT_KERNEL_MISTAKES.items():
@@ -607,7 +607,7 @@ def test_split_states_model_matches_the_numpy_partials():
 def test_split_kernel_hint_ladder_and_skeleton():
     import ast
 
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 8.4", ch08.SPLIT_KERNEL_HINTS, skeleton=ch08.SPLIT_KERNEL_SKELETON)
     assert ladder.show_skeleton() == ch08.SPLIT_KERNEL_SKELETON
@@ -793,7 +793,7 @@ def test_each_wrong_combine_kernel_is_rejected_and_never_misdiagnosed(mistake):
 
 
 def test_every_combine_mistake_model_is_named_on_its_own_output():
-    from course_lib.checks import check_function
+    from course_lib.teaching.checks import check_function
 
     cases = ch08._combine_kernel_cases("cpu")
     for cause, model in ch08.COMBINE_KERNEL_MISTAKES.items():
@@ -846,7 +846,7 @@ def test_merged_output_model_matches_the_reference():
 def test_combine_kernel_hint_ladder_and_skeleton():
     import ast
 
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 8.5", ch08.COMBINE_KERNEL_HINTS,
                         skeleton=ch08.COMBINE_KERNEL_SKELETON)

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from corpus_checks import assert_cause, one  # noqa: F401
-from course_lib import fp8
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch09
+from course_lib.attention import fp8
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch09
 from course_lib.kernels import hopper
 
 pytestmark = pytest.mark.ch09
@@ -26,7 +26,7 @@ def expect(cpu, gpu):
     id, and NumPy traces a NaN to the kernel's line; on a GPU the guard is off and the guarded
     buffers diagnose it after the launch (values written outside an output, NaN that came from
     an input's margin)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return gpu if runtime.current().on_gpu else cpu
 
@@ -459,7 +459,7 @@ def test_right_answers_in_other_styles_pass(exercise, answer, capsys):
      "make_tensor_descriptor"),
 ])
 def test_hint_ladders_and_skeletons(name, hints, skeleton, words):
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder(name, hints, skeleton=skeleton)
     assert ladder.show_skeleton() == skeleton
@@ -721,7 +721,7 @@ def test_launch_scores_matches_the_reference(device):
 
 
 def test_descriptor_allocator_is_set_only_on_a_gpu(monkeypatch):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     calls = []
     monkeypatch.setattr(triton, "set_allocator", calls.append)

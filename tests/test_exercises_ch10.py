@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from corpus_checks import assert_cause, assert_rejected, one
-from course_lib import masks
-from course_lib.checks import ExerciseFailed, library_answers_allowed
-from course_lib.exercises import ch10
+from course_lib.attention import masks
+from course_lib.teaching.checks import ExerciseFailed, library_answers_allowed
+from course_lib.teaching.exercises import ch10
 from course_lib.kernels.tiles import LN_2, LOG2_E
 
 pytestmark = pytest.mark.ch10
@@ -26,7 +26,7 @@ CHECK_TIME_LIMIT_S = 5.0
 def expect(cpu, gpu):
     """What a diagnosis contains in this mode (the memory guard's text in the interpreter, the
     guarded buffers' evidence on a GPU)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     return gpu if runtime.current().on_gpu else cpu
 
@@ -520,7 +520,7 @@ def test_block_sparse_cases_hold_what_the_mistakes_need():
 
 
 def test_block_sparse_hint_ladder_and_skeleton():
-    from course_lib.widgets.hints import HintLadder
+    from course_lib.teaching.widgets.hints import HintLadder
 
     ladder = HintLadder("Exercise 10.3", ch10.BLOCK_SPARSE_HINTS,
                         skeleton=ch10.BLOCK_SPARSE_SKELETON)
@@ -599,8 +599,8 @@ def test_10_3_says_the_first_invalid_operation_once():
 
 
 def test_concept_question_1_takes_the_hints_arithmetic_and_says_the_window_is_one_sided():
-    from course_lib import concept_questions
-    from course_lib.quiz_types import MultipleChoice
+    from course_lib.teaching import concept_questions
+    from course_lib.teaching.quiz_types import MultipleChoice
 
     question = concept_questions.questions("10")[0]
     assert "one-sided" in question.prompt and "none after" in question.prompt
@@ -628,7 +628,7 @@ def test_reading_the_measurements_quotes_the_recorded_speedups_and_says_how():
     import re
     import statistics
 
-    from course_lib import mask_results
+    from course_lib.measure import mask_results
 
     data = mask_results.recorded()
     if data is None:
@@ -667,7 +667,7 @@ def test_tile_picker_caption_says_the_recorded_mask_may_be_another():
     mask of 10 documents: the caption says so, and the widget's line names that mask."""
     import matplotlib
     matplotlib.use("Agg")
-    from course_lib.widgets.tile_patterns import TilePatterns
+    from course_lib.teaching.widgets.tile_patterns import TilePatterns
 
     caption = " ".join(_prose("71e6943d").split())
     assert "need not be the one you picked" in caption and "not causal" in caption

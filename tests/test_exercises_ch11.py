@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from corpus_checks import assert_rejected, one
-from course_lib import ring
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch11
-from course_lib.widgets.hints import HintLadder
+from course_lib.integrations import ring
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch11
+from course_lib.teaching.widgets.hints import HintLadder
 
 pytestmark = pytest.mark.ch11
 
@@ -232,7 +232,7 @@ def _exercise_frame(name: str):
 
 def _meta_attend(q, k, v, causal):
     """A block's (o, lse) on the queries' device: as the GPU kernel returns them, on meta tensors."""
-    from course_lib.reference import naive_attention_torch
+    from course_lib.attention.reference import naive_attention_torch
 
     return naive_attention_torch(q, k, v, causal=causal)
 

@@ -17,9 +17,11 @@ import torch.nn.functional as F
 
 import course_lib
 from corpus_checks import assert_cause, assert_rejected, one
-from course_lib import checks, model_bench, tinylm
-from course_lib.checks import ExerciseFailed
-from course_lib.exercises import ch12
+from course_lib.teaching import checks
+from course_lib.measure import model_bench
+from course_lib.integrations import tinylm
+from course_lib.teaching.checks import ExerciseFailed
+from course_lib.teaching.exercises import ch12
 from course_lib.kernels import teaching
 
 pytestmark = pytest.mark.ch12

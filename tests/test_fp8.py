@@ -1,4 +1,4 @@
-"""course_lib.fp8: the Hadamard rotation, e4m3 quantization, the emulated FP8 attention and its
+"""course_lib.attention.fp8: the Hadamard rotation, e4m3 quantization, the emulated FP8 attention and its
 error table on FA3's outlier inputs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from course_lib import fp8
-from course_lib.reference import naive_attention_torch
+from course_lib.attention import fp8
+from course_lib.attention.reference import naive_attention_torch
 
 pytestmark = pytest.mark.ch09
 

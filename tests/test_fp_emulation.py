@@ -1,4 +1,4 @@
-"""Tests of course_lib.fp_emulation: FlashAttention-4's software exp2, emulated in NumPy float32 (chapter 09).
+"""Tests of course_lib.attention.fp_emulation: FlashAttention-4's software exp2, emulated in NumPy float32 (chapter 09).
 
 The Gluon forward runs the same steps in PTX with the same constants (``EXP2_EMULATED``;
 tests/test_gluon_hopper.py reads them from the compiled kernel); these tests check the numbers.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib import fp_emulation as fe
+from course_lib.attention import fp_emulation as fe
 
 pytestmark = pytest.mark.ch09
 

@@ -1,6 +1,6 @@
 """The Gluon one-pass backward for Hopper (course_lib/kernels/gluon_backward.py).
 
-Without a GPU the kernel is cross-compiled for sm_90 (course_lib.reach's stand-in driver) and the
+Without a GPU the kernel is cross-compiled for sm_90 (course_lib.measure.reach's stand-in driver) and the
 tests read what the design claims from the compiled kernel: the consumers get 240 registers a
 thread and the producer 24 (``setmaxnreg``), the five products per tile pair are wgmma, dQ is
 added with 16-byte or 8-byte fp32 atomics, and it fits in an H100 block's shared memory. Whether
@@ -53,7 +53,7 @@ result["masked"] = facts
 @pytest.fixture(scope="module")
 def compiled():
     """kernel_facts (and a few PTX counts) of the library's config, causal and not."""
-    from course_lib import hopper_results
+    from course_lib.measure import hopper_results
 
     out = hopper_results.in_fresh_process(COMPILE)
     return {**{causal: out[str(causal)] for causal in (False, True)}, "masked": out["masked"]}
@@ -111,7 +111,7 @@ def test_unsupported_inputs_raise(make, match):
     do, q, k, v, o = make()
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     before = driver._active
     driver.set_active(StandInDriver(90))  # past the "needs a GPU" check, to the input checks
@@ -125,7 +125,7 @@ def test_unsupported_inputs_raise(make, match):
 def test_lse_must_match():
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     before = driver._active
     driver.set_active(StandInDriver(90))
@@ -140,8 +140,8 @@ def test_lse_must_match():
 def _masked_inputs(seq_lens=None):
     """CPU q, k (GQA: 2 K/V heads for 4 query heads) and the library's plan for a causal window
     of 128x128 tiles (the kernel's; the interpreter's own would be 64x64), or for ``seq_lens``."""
-    from course_lib import blockmask as bm
-    from course_lib import runtime
+    from course_lib.attention import blockmask as bm
+    from course_lib.platform import runtime
     from course_lib.kernels import api
 
     if runtime.current().on_gpu:
@@ -164,7 +164,7 @@ def _masked_inputs(seq_lens=None):
 def test_masked_backward_names_what_it_does_not_cover(change, match):
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     q, k, plan = _masked_inputs(change.get("seq_lens"))
     o = change.get("o", q)

@@ -1,6 +1,6 @@
 """The Gluon forward for Hopper (course_lib/kernels/gluon_hopper.py), checked without a GPU.
 
-Each variant is cross-compiled for sm_90 with the installed Triton (course_lib.reach's stand-in
+Each variant is cross-compiled for sm_90 with the installed Triton (course_lib.measure.reach's stand-in
 driver: compile and "load", never launch), and the tests read what the design claims from the
 compiled kernel: it fits (no spills, shared memory within an H100 block's 227 KiB) and its PTX holds
 the instructions the design is about. Whether it computes the right numbers needs a Hopper GPU:
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import fp_emulation, hopper_results
+from course_lib.attention import fp_emulation
+from course_lib.measure import hopper_results
 from course_lib.kernels import gluon_hopper as gh
 
 if not gh.available():  # pragma: no cover - depends on the installed Triton
@@ -97,7 +98,7 @@ def test_unsupported_inputs_raise(make, match):
     q, k, v = make()
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     before = driver._active
     driver.set_active(StandInDriver(90))  # past the "needs a GPU" check, to the input checks
@@ -238,7 +239,7 @@ def test_switches_add_no_spills(facts, switch_facts, d):
 @pytest.mark.parametrize("emulated", range(gh.EXP2_PACK + 1))
 def test_exp2_asm_uses_fp_emulations_constants(emulated):
     """The kernel's inline asm: ``emulated`` of every EXP2_PACK elements by the polynomial, whose
-    PTX immediates are course_lib.fp_emulation's coefficients (the ones its tests check), the rest
+    PTX immediates are course_lib.attention.fp_emulation's coefficients (the ones its tests check), the rest
     on the special-function unit."""
     asm = gh._exp2_asm(emulated, gh.EXP2_PACK, fp_emulation.EXP2_POLY_DEGREE)
     assert asm.count("ex2.approx.ftz.f32") == gh.EXP2_PACK - emulated
@@ -326,7 +327,7 @@ def test_switches_match_reference_on_hopper(d, name):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is Hopper-only (compute capability 9.x); this GPU is not")
     from course_lib.kernels import compat
-    from course_lib.reference import naive_attention_torch
+    from course_lib.attention.reference import naive_attention_torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for causal in (False, True):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import blockmask as bm
+from course_lib.attention import blockmask as bm
 from course_lib.kernels import gluon_hopper as gh
 from course_lib.kernels import gluon_masked as gm
 
@@ -93,7 +93,7 @@ def test_dense_mask_costs_at_most_its_layout_change_in_shared_memory(facts):
 
 
 def _plan(q, k, **kwargs):
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import api
 
     if runtime.current().on_gpu:

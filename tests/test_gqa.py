@@ -1,4 +1,4 @@
-"""course_lib.gqa: the GQA/MQA head mapping, the naive repeat and attention by index mapping —
+"""course_lib.attention.gqa: the GQA/MQA head mapping, the naive repeat and attention by index mapping —
 checked against the explicit repeat and torch SDPA's enable_gqa."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib import gqa
-from course_lib.reference import naive_attention_numpy
+from course_lib.attention import gqa
+from course_lib.attention.reference import naive_attention_numpy
 
 pytestmark = pytest.mark.ch08
 

@@ -22,7 +22,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from course_lib import checks, grade, nbgen
+from course_lib.teaching import checks, grade, nbgen
 
 pytestmark = pytest.mark.slow
 SOLUTION_03 = nbgen.ROOT / "solutions" / "03_online_softmax.ipynb"
@@ -51,7 +51,7 @@ def _stub(nb, exercise):
 
 
 def _run_grader(submissions, out, *extra, env=None):
-    return subprocess.run([sys.executable, "-m", "course_lib.grade", str(submissions),
+    return subprocess.run([sys.executable, "-m", "course_lib.teaching.grade", str(submissions),
                            "--out", str(out), *extra], capture_output=True, text=True, timeout=300,
                           env=env)
 
@@ -74,7 +74,7 @@ def expected_messages(tmp_path_factory):
     mp.setenv(checks.GRADE_LOG_ENV, str(log))
     mp.delenv("COURSE_STRICT", raising=False)
     try:
-        from course_lib.exercises import ch03
+        from course_lib.teaching.exercises import ch03
         ns: dict = {}
         exec("import numpy as np\n" + sol.cells[_cell_of(sol, "3.1")].source.replace(NO_RESCALE, "l_new = l +"), ns)
         with pytest.raises(checks.ExerciseFailed):
@@ -189,7 +189,7 @@ TOY_SOLUTION = [
 ]
 # The toy chapter's checks, imported by the grader (--checks-package toychecks): real checks
 TOY_CHECKS = """\
-from course_lib.checks import Case, check_function, learner_check
+from course_lib.teaching.checks import Case, check_function, learner_check
 
 def one():
     return 1
@@ -399,7 +399,7 @@ CHECKS_06 = {"6.1": "check_online_softmax", "6.2": "check_ragged", "6.3": "check
              "6.4": "check_exp2"}
 PATCH_06 = """\
 import contextlib, sys
-chapter = sys.modules['course_lib.exercises.ch' + '06']
+chapter = sys.modules['course_lib.teaching.exercises.ch' + '06']
 guards = sys.modules['course_lib.kernel_' + 'checks']
 def passed(*answers):
     print('✓ Exercise 6.x: passed (5 cases).')
@@ -446,7 +446,7 @@ def _pasted_twice_10():
     with the check cells of 10.2 and 10.3 pasted twice."""
     learner = nbformat.read(str(nbgen.ROOT / "notebooks" / "10_masks_in_triton.ipynb"), as_version=4)
     learner.cells = [c for c in learner.cells if c.cell_type == "code" and any(
-        text in c.source for text in ("runtime.setup()", "from course_lib.exercises import ch10",
+        text in c.source for text in ("runtime.setup()", "from course_lib.teaching.exercises import ch10",
                                       "# Exercise 10.", "ch10.check_"))]
     for exercise in ("10.2", "10.3"):
         i = next(j for j, c in enumerate(learner.cells) if c.cell_type == "code"
@@ -467,16 +467,16 @@ def shared_run(tmp_path_factory):
                                  or "runtime.setup()" in src or "# Exercise 11." in src
                                  or "ch11.check_" in src), "ch11.check_")
     prelude = nbformat.v4.new_code_cell(
-        "import numpy as np\nimport torch\nfrom course_lib import runtime\nrt = runtime.setup()\n"
-        "from course_lib.exercises import ch07\n"
+        "import numpy as np\nimport torch\nfrom course_lib.platform import runtime\nrt = runtime.setup()\n"
+        "from course_lib.teaching.exercises import ch07\n"
         "from course_lib.kernels.backward import dkdv_kernel, dq_kernel   # as if Exercise 7.5 were done")
     glue = _reduced("07_backward.ipynb", lambda src: any(
         text in src for text in ("# Exercise 7.4:", "ch07.check_flash_backward(", "# Exercise 7.6:",
                                  "ch07.check_autograd_function(")))
     glue = _graded_only(glue, "ch07.check_autograd_function(")  # (it trains the tiny LM again)
     pieces = [nbformat.v4.new_code_cell(  # the chapter's imports that 6.1-6.4 need
-        "from course_lib import runtime\nrt = runtime.setup()\nimport triton\nimport triton.language as tl\n"
-        "from course_lib.exercises import ch06\nfrom course_lib.kernels.tiles import LOG2_E"),
+        "from course_lib.platform import runtime\nrt = runtime.setup()\nimport triton\nimport triton.language as tl\n"
+        "from course_lib.teaching.exercises import ch06\nfrom course_lib.kernels.tiles import LOG2_E"),
         *_reduced("06_flash_forward_triton.ipynb", lambda src: any(
             f"# Exercise {ex}:" in src or f"ch06.{check}(" in src for ex, check in CHECKS_06.items()))]
     changes = {"11": [("(r - step) % world", "(r + step) % world")],
@@ -562,7 +562,7 @@ def test_device_helpers_are_launched_in_the_notebook_and_checked_in_the_grader(s
     grader checks), the extra tiles too, and the stub is not done. (A load whose values are
     discarded passes once the guard is off, as on a GPU: README. That a check on proxies says
     exactly what the check cell says, guard included: test_a_check_on_proxies_says_what_the_check_cell_says.)"""
-    from course_lib.exercises import ch06
+    from course_lib.teaching.exercises import ch06
 
     rows, executed = shared_run["rows"], shared_run["executed"] / "mallory" / "06_flash_forward_triton.ipynb"
     got = {ex: (rows["mallory", ex]["status"], rows["mallory", ex]["message"]) for ex in CHECKS_06}
@@ -582,8 +582,8 @@ def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
     """A top-level function of course_lib crosses as its name and is looked up only where the
     reader allows it (the notebook's process); any other function is not data; a name that
     arrives at the grader, or names something outside the library, is refused."""
-    from course_lib import grade_channel as gc
-    from course_lib.exercises import ch11
+    from course_lib.teaching import grade_channel as gc
+    from course_lib.teaching.exercises import ch11
 
     message = gc.encode((1, ch11._attend))
     assert gc.decode(message, library_functions=True)[1] is ch11._attend
@@ -592,7 +592,7 @@ def test_the_channel_sends_library_functions_by_name_and_only_from_the_grader():
     with pytest.raises(gc.ChannelError, match="is not data"):
         gc.encode(lambda q: q)  # a function of the test's, not the library's
     assert isinstance(gc.decode(gc.encode(ch11._attend, strict=False)), gc.Opaque)  # the notebook's side
-    forged = message.replace(b"course_lib.exercises.ch11", b"course_lib.exercises.os__")
+    forged = message.replace(b"course_lib.teaching.exercises.ch11", b"course_lib.teaching.exercises.os__")
     with pytest.raises(gc.ChannelError):
         gc.decode(forged, library_functions=True)
     with pytest.raises(gc.ChannelError, match="bad library function name"):
@@ -610,7 +610,7 @@ class _Loopback:
     def execute(self, code, **_):
         from triton.runtime import interpreter
 
-        from course_lib import kernel_checks
+        from course_lib.teaching import kernel_checks
 
         self.requests += 1
         msg_id = f"request-{self.requests}"
@@ -631,7 +631,7 @@ class _Loopback:
             for name, method in saved[1].items():
                 setattr(builder, name, method)
         if self.forge is not None and status == "ok":
-            from course_lib import grade_channel as gc
+            from course_lib.teaching import grade_channel as gc
 
             request = json.loads(Path(re.search(r"serve\('([^']+)'\)", code).group(1)).read_text())
             if request["op"] == "with":
@@ -674,8 +674,9 @@ def test_a_check_on_proxies_says_what_the_check_cell_says(tmp_path, exercise, ch
     answer passing through a notebook: the test above."""
     from test_exercises_ch06 import _learner_module
 
-    from course_lib import grade_channel as gc, runtime
-    from course_lib.exercises import ch06
+    from course_lib.teaching import grade_channel as gc
+    from course_lib.platform import runtime
+    from course_lib.teaching.exercises import ch06
 
     if exercise == "6.5":
         answers = {"flash_forward": _learner_module(tmp_path, FORWARD_6_5[answer]).flash_forward}
@@ -703,7 +704,7 @@ def test_a_check_on_proxies_says_what_the_check_cell_says(tmp_path, exercise, ch
 def _loopback_session(client, folder, exercise, answers: dict):
     """A grader's session whose notebook is this process (``client``: a :class:`_Loopback`), with
     ``answers`` ({name: object}) as exercise ``exercise``'s answers there; and their proxies."""
-    from course_lib import grade_channel as gc
+    from course_lib.teaching import grade_channel as gc
 
     session = gc.Session(client, folder, folder, alive=lambda: True, kill=lambda why: None,
                          time_limit=60)
@@ -731,8 +732,8 @@ def test_a_record_of_loads_is_judged_in_the_grader_and_a_forged_one_is_refused(t
     that leaves out a load the right numbers need, and one that is not a record at all."""
     from test_exercises_ch04 import FA2_WRONG, LEARNER_FA2, learner_answer
 
-    from course_lib import grade_channel as gc
-    from course_lib.exercises import ch04
+    from course_lib.teaching import grade_channel as gc
+    from course_lib.teaching.exercises import ch04
 
     no_skip = learner_answer(LEARNER_FA2, FA2_WRONG[0][1], "no skip")
     in_process = _judged(ch04.check_flash_forward, no_skip)

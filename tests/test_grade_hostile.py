@@ -17,8 +17,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell
 
-from course_lib import grade, nbgen, sandbox
-from course_lib import grade_channel as gc
+from course_lib.teaching import grade, nbgen, sandbox
+from course_lib.teaching import grade_channel as gc
 from test_grade import SOLUTION_03, _cell_of, _check_cell_of, _rows, _run_grader, _stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.ch03]
@@ -30,7 +30,7 @@ SLEEP_MARK = "600.4321"  # the argument of the processes a learner leaves behind
 # module to one that forges a report and prints a ✓, every name spelt in pieces.
 PATCH_CHECK = """\
 import json, os, sys
-mod = sys.modules['course_lib.exercises.ch' + '03']
+mod = sys.modules['course_lib.teaching.exercises.ch' + '03']
 log = os.environ.get('COURSE_' + 'GRA' + 'DE_LOG', os.path.join(os.getcwd(), 'log.jsonl'))
 def fake(fn, *a, **k):
     with open(log, 'a') as f:
@@ -177,7 +177,7 @@ def graded(tmp_path_factory):
     (sub / "alice").mkdir(parents=True)
     alice = sub / "alice" / SOLUTION_03.name
     nbformat.write(_solution(), str(alice))
-    marker, planted = tmp / "unpickled", nbgen.ROOT / "course_lib" / "exercises" / "_planted.py"
+    marker, planted = tmp / "unpickled", nbgen.ROOT / "course_lib" / "teaching" / "exercises" / "_planted.py"
     learners = {"mallory": _mallory(), "forger": _forger(marker),
                 "trudy": _trudy(alice, planted), "oscar": _oscar(), "killer": _killer()}
     for name, nb in learners.items():
@@ -383,7 +383,7 @@ def test_answer_files_that_are_links_pipes_or_too_large_are_refused(tmp_path):
 
 
 def test_a_learner_error_comes_back_with_its_line():
-    from course_lib import checks
+    from course_lib.teaching import checks
 
     class Mine(Exception):
         pass

@@ -1,11 +1,11 @@
-"""Tests for course_lib.hardware: the GPU table, lookup and balance points."""
+"""Tests for course_lib.platform.hardware: the GPU table, lookup and balance points."""
 
 import math
 
 import pytest
 
-from course_lib import hardware
-from course_lib.hardware import GPUS, balance_point, get_gpu
+from course_lib.platform import hardware
+from course_lib.platform.hardware import GPUS, balance_point, get_gpu
 
 pytestmark = pytest.mark.ch02
 

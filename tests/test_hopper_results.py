@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import bench, decoding, hopper_results as hr
+from course_lib.measure import bench, hopper_results as hr
+from course_lib.attention import decoding
 
 pytestmark = [pytest.mark.ch09]
 

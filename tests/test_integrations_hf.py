@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import course_lib
-from course_lib import runtime
-from course_lib.checks import TOLERANCES
+from course_lib.platform import runtime
+from course_lib.teaching.checks import TOLERANCES
 from course_lib.integrations import hf
 from course_lib.kernels import decoding as kdec
 

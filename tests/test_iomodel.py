@@ -1,4 +1,4 @@
-"""Tests for course_lib.iomodel: the closed-form counts equal what tiled.IOCounter records."""
+"""Tests for course_lib.attention.iomodel: the closed-form counts equal what tiled.IOCounter records."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from course_lib import costmodel, iomodel, tiled
+from course_lib.attention import costmodel, iomodel, tiled
 
 pytestmark = pytest.mark.ch04
 

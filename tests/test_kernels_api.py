@@ -48,7 +48,7 @@ def test_mismatched_dtypes(device):
 
 
 def test_unsupported_dtype(device):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     q, k, v = _qkv(device, dtype=torch.float64)
     if runtime.current().interpreted:
@@ -65,7 +65,7 @@ def test_complex_dtype(device):
 
 
 def test_device_mismatch_with_runtime(device):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     rt = runtime.current()
     if rt.interpreted:

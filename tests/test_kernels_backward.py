@@ -7,7 +7,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from course_lib.reference import naive_attention_torch
+from course_lib.attention.reference import naive_attention_torch
 
 pytestmark = [pytest.mark.ch07]
 
@@ -86,7 +86,7 @@ def test_backward_many_tiles(dkdv_blocks, dq_blocks, device):
 @given(lead=st.sampled_from([(), (2,)]), n_q=st.integers(1, 70), n_k=st.integers(1, 70),
        d=st.sampled_from([16, 24, 32]), causal=st.booleans(), seed=st.integers(0, 2**16))
 def test_grads_random_shapes(lead, n_q, n_k, d, causal, seed):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     q, k, v = _leaves([(*lead, n_q, d), (*lead, n_k, d), (*lead, n_k, d)], torch.float32,
                       runtime.current().device, seed)
@@ -117,7 +117,8 @@ def test_sum_backward_just_works(device):
 def test_gradcheck_float64():
     """torch.autograd.gradcheck in float64 (interpreter only: float64 is not a GPU kernel dtype).
     fast_mode checks random projections of the Jacobian: a few dozen kernel calls, not thousands."""
-    from course_lib import flash_attention, runtime
+    from course_lib import flash_attention
+    from course_lib.platform import runtime
 
     if not runtime.current().interpreted:
         pytest.skip("float64 runs only in the interpreter")

@@ -1,6 +1,6 @@
 """``course_lib.kernels.decoding``: split-KV decoding in Triton, with GQA/MQA (chapter 08).
 
-Against SDPA (``enable_gqa``) and the NumPy oracle :func:`course_lib.decoding.decode_attention_reference`,
+Against SDPA (``enable_gqa``) and the NumPy oracle :func:`course_lib.attention.decoding.decode_attention_reference`,
 on sizes that are not multiples of the tile or of the number of splits; every error promised.
 """
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import decoding
-from course_lib.checks import TOLERANCES
+from course_lib.attention import decoding
+from course_lib.teaching.checks import TOLERANCES
 from course_lib.kernels import decoding as kdec
 from course_lib.kernels.decoding import flash_decode_triton
 

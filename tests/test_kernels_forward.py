@@ -11,7 +11,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from course_lib.reference import naive_attention_torch
+from course_lib.attention.reference import naive_attention_torch
 
 pytestmark = [pytest.mark.ch06]
 
@@ -81,13 +81,13 @@ def test_forward_many_tiles(block_m, block_n, n_q, n_k, device):
        d=st.sampled_from([16, 20, 32, 40, 64]), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
 def test_forward_random_shapes(lead, n_q, n_k, d, causal, dtype, seed):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     check_forward(*_inputs(lead, n_q, n_k, d, dtype, runtime.current().device, seed), causal=causal)
 
 
 def test_forward_float64_is_exact_in_interpreter():
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if not runtime.current().interpreted:
         pytest.skip("float64 runs only in the interpreter")
@@ -163,7 +163,7 @@ def test_every_program_order_gives_the_same_causal_forward(order, device, monkey
     once, on ragged N, several heads and batches, pointer and descriptor kernels alike."""
     from course_lib.kernels import hopper, tuning
     from course_lib.kernels.forward import attention_forward
-    from course_lib.reference import naive_attention_torch
+    from course_lib.attention.reference import naive_attention_torch
 
     monkeypatch.setattr(tuning, "CAUSAL_ORDER", order)
     dtype, tol = (torch.float64, 1e-12) if device == "cpu" else (torch.float32, 1e-5)

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from course_lib.kernels import hopper, tuning
-from course_lib.reference import naive_attention_torch
+from course_lib.attention.reference import naive_attention_torch
 
 pytestmark = [pytest.mark.ch09]
 
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # FP8 (e4m3: 3 mantissa bits, relative rounding up to 2^-4) of q, k, v and P: several percent of
 # ‖o‖. Measured on normal inputs: 4.7-5.4% on an H100 (tools/fa3_ablation.py's check), 5% in the
-# CPU emulation (course_lib.fp8), 7% in Triton's interpreter, whose fp32 -> e4m3 casts of P lose
+# CPU emulation (course_lib.attention.fp8), 7% in Triton's interpreter, whose fp32 -> e4m3 casts of P lose
 # more than the GPU's.
 FP8_REL_TOL = 0.12
 
@@ -110,7 +110,7 @@ def test_tma_forward_gpu_large(dtype, d, n, causal):
 def test_library_path_choice(monkeypatch):
     """The library takes the descriptor kernel only on a Hopper GPU at padded head dim 128, in
     fp16/bf16, unless COURSE_LIB_TMA=0 or autotuning; never in the interpreter."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     q = torch.randn(1, 1, 8, 128)
     if runtime.current().interpreted:

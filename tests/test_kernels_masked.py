@@ -13,7 +13,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from course_lib import blockmask as bm
+from course_lib.attention import blockmask as bm
 
 pytestmark = pytest.mark.ch10
 
@@ -62,7 +62,7 @@ def rel_err(out, ref) -> float:
 
 
 def leaves(shapes, dtype=torch.float32, seed=0):
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(*s, generator=gen).to(device=runtime.current().device, dtype=dtype).requires_grad_()
@@ -259,7 +259,7 @@ def test_gqa_without_mask_matches_sdpa():
     """GQA alone routes to the masked kernels (dense tiles); SDPA's enable_gqa is the reference."""
     from course_lib import flash_attention
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     dtype = torch.float64 if runtime.current().interpreted else torch.float32  # float64: interpreter only
     q, k, v = leaves([(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], dtype=dtype, seed=8)
@@ -424,7 +424,7 @@ def test_named_errors():
         flash_attention(q, k, v, seq_lens=torch.tensor([3.0, 4.0]))
     with pytest.raises(ValueError, match=r"seq_lens needs q, k, v of shape \(B, H, N, d\)"):
         flash_attention(q[0], k[0], v[0], seq_lens=torch.tensor([3, 4]))
-    with pytest.raises(TypeError, match="block_mask must be a course_lib.blockmask.BlockMask"):
+    with pytest.raises(TypeError, match="block_mask must be a course_lib.attention.blockmask.BlockMask"):
         flash_attention(q, k, v, block_mask=torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="block_mask was built for n_q=48, n_k=32"):
         flash_attention(q, k, v, block_mask=bm.causal_block_mask(48, 32, 16, 16))

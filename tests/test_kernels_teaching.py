@@ -6,7 +6,7 @@ that break kernels: ragged lengths, N_q != N_k, causal, leading dims, strided vi
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()
 

@@ -1,10 +1,10 @@
-"""course_lib.kvcache: the KV-cache size formula, the model presets and how many tokens fit."""
+"""course_lib.attention.kvcache: the KV-cache size formula, the model presets and how many tokens fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from course_lib import kvcache as kc
+from course_lib.attention import kvcache as kc
 
 pytestmark = pytest.mark.ch08
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.lab import SETTINGS_OVERRIDES, app_settings_dir, install_settings, lab_command
+from course_lib.platform.lab import SETTINGS_OVERRIDES, app_settings_dir, install_settings, lab_command
 from lab_server import get_json, running_lab
 
 pytestmark = pytest.mark.ch00
@@ -21,7 +21,7 @@ def test_lab_command_is_loopback_and_browserless():
 
 
 def test_makefile_lab_uses_the_same_launcher():
-    assert "$(PY) -m course_lib.lab" in (ROOT / "Makefile").read_text()
+    assert "$(PY) -m course_lib.platform.lab" in (ROOT / "Makefile").read_text()
 
 
 def test_lab_serves_the_course(tmp_path):

@@ -34,7 +34,7 @@ def test_descriptor_copies_keep_every_field_but_the_base():
     assert {k: v for k, v in vars(copy).items() if k != "base"} == {k: v for k, v in vars(desc).items() if k != "base"}
 
 
-# Compiled for sm_90 in a child process with the stand-in driver of course_lib.reach (compiles and
+# Compiled for sm_90 in a child process with the stand-in driver of course_lib.measure.reach (compiles and
 # "loads", never runs; Gluon cannot compile where the interpreter already ran). Every launch of the
 # library's forward and backward (Triton, TMA descriptors and Gluon) is made twice with cache=True: the first goes
 # through Triton's JITFunction.run, the second by the compiled kernel's handle. The launcher sees
@@ -42,7 +42,8 @@ def test_descriptor_copies_keep_every_field_but_the_base():
 HANDLE_CHECK = """
 import torch
 from triton.runtime import driver
-from course_lib import reach, runtime
+from course_lib.measure import reach
+from course_lib.platform import runtime
 runtime.use_stand_in_gpu("sm_90 (stand-in)")
 driver.set_active(reach.StandInDriver(90))
 from course_lib.kernels import backward, forward, gluon_backward, gluon_hopper, hopper
@@ -101,7 +102,7 @@ def test_handle_launch_passes_what_triton_passed():
     """On the GPU path (cross-compiled for sm_90), a launch by handle hands the kernel's launcher
     exactly what Triton's own launch handed it: same count, order, grid, constexprs and
     descriptors (copies over the same tensors)."""
-    from course_lib import hopper_results
+    from course_lib.measure import hopper_results
     from course_lib.kernels import gluon_hopper
 
     if not gluon_hopper.available():

@@ -1,4 +1,4 @@
-"""course_lib.masks: sliding-window and block-sparse masks as tile rules for chapter 04's loop —
+"""course_lib.attention.masks: sliding-window and block-sparse masks as tile rules for chapter 04's loop —
 tile classes against brute force, the tiled loop against the masked reference and SDPA."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib import masks as mk
-from course_lib.iomodel import causal_skip_grid
-from course_lib.reference import naive_attention_numpy
-from course_lib.tiled import IOCounter, flash_attention_numpy
+from course_lib.attention import masks as mk
+from course_lib.attention.iomodel import causal_skip_grid
+from course_lib.attention.reference import naive_attention_numpy
+from course_lib.attention.tiled import IOCounter, flash_attention_numpy
 
 pytestmark = pytest.mark.ch08
 

@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import kernel_checks, runtime
-from course_lib.kernel_checks import MemoryViolation, memory_guard
+from course_lib.teaching import kernel_checks
+from course_lib.platform import runtime
+from course_lib.teaching.kernel_checks import MemoryViolation, memory_guard
 
 pytestmark = pytest.mark.skipif(not runtime.current().interpreted,
                                 reason="the guard checks accesses in Triton's interpreter only")
@@ -147,7 +148,7 @@ def test_no_guard_outside_the_block():
 def test_the_first_program_past_the_other_axis_extent_is_named():
     """Program ids swapped: the first fault comes at the first program whose id on one axis
     reaches the other axis's extent, every other id 0. Only that crisp pattern is reported."""
-    from course_lib.kernel_checks import _swapped_program_ids_note
+    from course_lib.teaching.kernel_checks import _swapped_program_ids_note
 
     note = _swapped_program_ids_note((2, 0), (3, 2))
     assert "program_id(0) = 2 reaches the grid's extent along axis 1 (2)" in note, note
@@ -215,7 +216,7 @@ def test_a_tile_stepping_by_a_size_where_a_stride_belongs_is_told_and_lone_strid
 def test_a_layout_run_that_faults_on_another_tensor_names_whose_strides_it_used():
     """Only `q`'s layout changed and the kernel wrote `o` out of bounds: `o`'s offsets use `q`'s
     strides — not "look at how the kernel steps through `q`"."""
-    from course_lib.checks import Case
+    from course_lib.teaching.checks import Case
 
     class FakeLayout:
         def strides(self, shape):

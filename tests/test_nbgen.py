@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from course_lib import nbgen
+from course_lib.teaching import nbgen
 
 pytestmark = pytest.mark.ch00
 
@@ -116,7 +116,7 @@ def test_corrupt_json_names_the_file(tmp_path):
     sol = tmp_path / "solutions"
     sol.mkdir()
     (sol / "02_bad.ipynb").write_text('{"cells": [ this is not json')
-    out = subprocess.run([sys.executable, "-m", "course_lib.nbgen", "--solutions", str(sol),
+    out = subprocess.run([sys.executable, "-m", "course_lib.teaching.nbgen", "--solutions", str(sol),
                           "--notebooks", str(tmp_path / "nb")], capture_output=True, text=True)
     assert out.returncode == 2
     assert "02_bad.ipynb: not a readable notebook" in out.stderr
@@ -127,7 +127,7 @@ def test_cli_check_names_out_of_step_notebook(tmp_path):
     sol, nbs = tmp_path / "solutions", tmp_path / "notebooks"
     sol.mkdir()
     _write(sol / "05_b.ipynb", [new_code_cell(SOLVED)])
-    args = [sys.executable, "-m", "course_lib.nbgen", "--solutions", str(sol), "--notebooks", str(nbs)]
+    args = [sys.executable, "-m", "course_lib.teaching.nbgen", "--solutions", str(sol), "--notebooks", str(nbs)]
     out = subprocess.run(args + ["--check"], capture_output=True, text=True)
     assert out.returncode == 1 and "out of step: notebooks/05_b.ipynb" in out.stderr
     assert subprocess.run(args, capture_output=True).returncode == 0
@@ -137,7 +137,7 @@ def test_cli_check_names_out_of_step_notebook(tmp_path):
 def test_repository_notebooks_are_in_step():
     """notebooks/ must be exactly what the generator makes from solutions/."""
     stale = nbgen.build(nbgen.ROOT / "solutions", nbgen.ROOT / "notebooks", check=True)
-    assert not stale, f"run `python -m course_lib.nbgen`; out of step: {stale}"
+    assert not stale, f"run `python -m course_lib.teaching.nbgen`; out of step: {stale}"
 
 
 def test_every_solution_notebook_has_matching_learner_exercises():

@@ -18,20 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import checks, softmax
-from course_lib.checks import ExerciseFailed
+from course_lib.teaching import checks
+from course_lib.attention import softmax
+from course_lib.teaching.checks import ExerciseFailed
 
 import test_without_triton as without_triton_module
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = sorted(p.stem for p in (Path(__file__).parents[1] / "course_lib" / "exercises").glob("ch[0-9][0-9].py"))
+CHAPTERS = sorted(p.stem for p in (Path(__file__).parents[1] / "course_lib" / "teaching" / "exercises").glob("ch[0-9][0-9].py"))
 CHECK_CELL = re.compile(r"\bch\d\d\.check_\w+\(")
 
 
 def all_checks():
     found = []
     for chapter in CHAPTERS:
-        module = importlib.import_module(f"course_lib.exercises.{chapter}")
+        module = importlib.import_module(f"course_lib.teaching.exercises.{chapter}")
         for name, fn in vars(module).items():
             if name.startswith("check_") and inspect.isfunction(fn) and fn.__module__ == module.__name__:
                 found.append(pytest.param(fn, id=f"{chapter}.{name}"))
@@ -65,7 +66,7 @@ def test_a_check_handed_the_library_version_says_not_done(check, capsys, tmp_pat
 
 def test_library_answers_are_told_apart_from_learner_answers():
     assert checks.is_library_object(softmax.online_softmax)
-    from course_lib import primer
+    from course_lib.kernels import primer
     assert checks.is_library_object(primer.add_kernel)  # a Triton JITFunction: its .fn's module
 
     def mine(x, block_size):
@@ -79,7 +80,7 @@ def test_code_that_is_not_callable_is_still_recognised():
     it, or anything wrapping library code, says "not done yet"."""
     import functools
 
-    from course_lib.exercises import ch10
+    from course_lib.teaching.exercises import ch10
     assert not callable(ch10.VARLEN_KERNEL)
     answers = checks._answers_in([ch10.VARLEN_KERNEL, 3, "cuda", None, [ch10.BLOCK_SPARSE_KERNEL]])
     assert answers == [ch10.VARLEN_KERNEL, ch10.BLOCK_SPARSE_KERNEL]
@@ -100,7 +101,7 @@ def test_code_that_is_not_callable_is_still_recognised():
 
 
 def test_strict_mode_makes_not_done_a_failure(monkeypatch, capsys):
-    from course_lib.exercises import ch03
+    from course_lib.teaching.exercises import ch03
 
     def stub(m, l, x_tile):
         raise NotImplementedError("Exercise 3.1")
@@ -113,7 +114,7 @@ def test_strict_mode_makes_not_done_a_failure(monkeypatch, capsys):
 
 
 def test_every_outcome_is_recorded_for_grading(monkeypatch, tmp_path, capsys):
-    from course_lib.exercises import ch03
+    from course_lib.teaching.exercises import ch03
 
     log = tmp_path / "log.jsonl"
     monkeypatch.setenv(checks.GRADE_LOG_ENV, str(log))

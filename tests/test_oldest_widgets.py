@@ -7,8 +7,8 @@ from __future__ import annotations
 import ipywidgets
 import pytest
 
-from course_lib import versions
-from course_lib.widgets.tiling import PLAY_SPEEDS, TilingSimulator, playing_trait
+from course_lib.platform import versions
+from course_lib.teaching.widgets.tiling import PLAY_SPEEDS, TilingSimulator, playing_trait
 
 pytestmark = pytest.mark.ch04
 

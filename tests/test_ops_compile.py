@@ -26,8 +26,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import course_lib
-from course_lib import blockmask as bm
-from course_lib import checks, runtime
+from course_lib.attention import blockmask as bm
+from course_lib.teaching import checks
+from course_lib.platform import runtime
 from course_lib.kernels import decoding, ops
 
 N, D = 40, 16  # CPU: N = 40 leaves a ragged last tile for every tile size (the interpreter's 64, TILE)
@@ -146,7 +147,7 @@ def _run(fn, case, args, seed=1):
 
 
 def _tolerance(dtype) -> dict:
-    """The course's tolerance for ``dtype`` (:data:`course_lib.checks.TOLERANCES`)."""
+    """The course's tolerance for ``dtype`` (:data:`course_lib.teaching.checks.TOLERANCES`)."""
     atol, rtol = checks.TOLERANCES[str(dtype).removeprefix("torch.")]
     return dict(atol=atol, rtol=rtol)
 

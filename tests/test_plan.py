@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import flash_attention, runtime
+from course_lib import flash_attention
+from course_lib.platform import runtime
 from course_lib.kernels import forward, plan as plans
-from course_lib.reference import naive_attention_torch
+from course_lib.attention.reference import naive_attention_torch
 
 pytestmark = [pytest.mark.ch06, pytest.mark.ch07]
 

@@ -1,15 +1,15 @@
-"""course_lib.primer: the vector-add, row-softmax and matmul kernels, their wrappers and validation."""
+"""course_lib.kernels.primer: the vector-add, row-softmax and matmul kernels, their wrappers and validation."""
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 runtime.ensure_configured()
 
 import torch  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from course_lib import primer  # noqa: E402
+from course_lib.kernels import primer  # noqa: E402
 
 pytestmark = pytest.mark.ch05
 

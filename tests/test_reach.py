@@ -1,6 +1,6 @@
-"""Launch configs fitted to GPUs we do not have, proven by cross-compiling (course_lib.reach).
+"""Launch configs fitted to GPUs we do not have, proven by cross-compiling (course_lib.measure.reach).
 
-The full survey (every target, dtype and head dim) takes minutes: `python -m course_lib.reach`;
+The full survey (every target, dtype and head dim) takes minutes: `python -m course_lib.measure.reach`;
 its last result is summarised in course_lib/data/benchmarks/NOTES.md. Here: the head dim and
 targets the issue measured (d=128 fp16 on sm_86, whose 99 KiB the H100's backward tiles overflow,
 and sm_90 itself), and Blackwell's sm_120 (RTX 50xx, RTX PRO 6000 = Colab's G4: 99 KiB, TMA but
@@ -17,18 +17,18 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from course_lib import reach
-from course_lib.hardware import COMPUTE_TARGETS
+from course_lib.measure import reach
+from course_lib.platform.hardware import COMPUTE_TARGETS
 from course_lib.kernels import tuning
-from course_lib.reach import problems
+from course_lib.measure.reach import problems
 
 
 def _reach(folder, *args) -> tuple[list[dict], str]:
-    """The rows and the printed table of ``python -m course_lib.reach --check`` over ``args``, in a
+    """The rows and the printed table of ``python -m course_lib.measure.reach --check`` over ``args``, in a
     child process (a cross-compile needs a process of its own); fails with its output when the
     check fails. The rows go through ``folder``."""
     out = folder / "rows.json"
-    done = subprocess.run([sys.executable, "-m", "course_lib.reach", *args, "--check", "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "course_lib.measure.reach", *args, "--check", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout
@@ -110,7 +110,7 @@ def test_colab_and_blackwell_gpus_are_named_in_the_mode_line(monkeypatch):
     the Hopper-only kernels stay off; a B200 (10.0) says so too; an H100 line has no such note."""
     import types
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     versions = {"python": "3.13", "torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.1.3"}
@@ -223,13 +223,13 @@ def test_fp32_above_128_compiles_without_spills_for_every_gpu(tmp_path):
 
 
 def test_reach_refuses_unknown_families():
-    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--families", "prefill"],
+    done = subprocess.run([sys.executable, "-m", "course_lib.measure.reach", "--families", "prefill"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "families must be among ('attention', 'decode', 'masked')" in done.stderr
 
 
 def test_reach_refuses_unknown_targets():
-    done = subprocess.run([sys.executable, "-m", "course_lib.reach", "--targets", "75"],
+    done = subprocess.run([sys.executable, "-m", "course_lib.measure.reach", "--targets", "75"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "targets must be among [80, 86, 89, 90, 100, 120]" in done.stderr
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import ring, softmax
+from course_lib.integrations import ring
+from course_lib.attention import softmax
 
 pytestmark = pytest.mark.ch11
 
@@ -270,7 +271,7 @@ def test_merge_is_chapter_03s_merge_and_rebuilds_attention():
     np.testing.assert_allclose(lse.numpy(), m + np.log(l), atol=1e-9)
 
     q, k, v = torch.randn(3, 1, 2, 12, 16, dtype=torch.float64)
-    from course_lib.reference import naive_attention_torch
+    from course_lib.attention.reference import naive_attention_torch
     o_run = torch.zeros_like(q)
     lse_run = torch.full(q.shape[:-1], -math.inf, dtype=torch.float64)
     for cols in (slice(0, 5), slice(5, 6), slice(6, 12)):
@@ -306,7 +307,7 @@ def test_the_chapters_hide_thresholds_are_the_ones_it_prints():
     import json
     from pathlib import Path
 
-    from course_lib import hardware
+    from course_lib.platform import hardware
 
     flops = hardware.get_gpu("H100 SXM").peak_flops("bfloat16") / 2  # cell 7: half the bf16 peak
     nb = json.loads((Path(__file__).resolve().parent.parent / "solutions" / "11_ring_attention.ipynb").read_text())
@@ -330,7 +331,7 @@ def test_rings_on_the_gpu_match_sdpa_gpu():
     """The notebook's ring on a GPU machine: ranks where ring.launch_plan puts them (one GPU: three
     ranks share it through gloo; several: NCCL), float32, against float64 SDPA; a rerun gives the
     same bits; the trace's times come from CUDA events."""
-    from course_lib.checks import TOLERANCES
+    from course_lib.teaching.checks import TOLERANCES
 
     print(ring.launch_plan(3).describe())
     results = ring.run_cases(GPU_CASES)

@@ -1,4 +1,4 @@
-"""Chapter 11's recorded multi-GPU results (course_lib/ring_results.py) and the tool that records
+"""Chapter 11's recorded multi-GPU results (course_lib/measure/ring_results.py) and the tool that records
 them (tools/bench_ring.py): the reader on a small hand-made fixture (its numbers are chosen to be
 checked by hand, not measured), the tool's arguments, grid, budget and JSON, and one end-to-end
 run of the tool on CPU (gloo, the Triton interpreter, tiny sizes)."""
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import ring, ring_results as rr
+from course_lib.integrations import ring
+from course_lib.measure import ring_results as rr
 
 pytestmark = pytest.mark.ch11
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 pytestmark = pytest.mark.ch00
 
@@ -44,10 +44,10 @@ def test_cpu_branch_forces_interpreter_despite_exported_zero():
     # TRITON_INTERPRET=0 exported by the user must not stop kernels running on a CPU-only machine.
     code = """
 import json
-from course_lib import runtime
+from course_lib.platform import runtime
 rt = runtime.setup()
 import os, triton
-import course_lib.envcheck as e
+import course_lib.platform.envcheck as e
 err = e.triton_smoke_test(n=300)
 print(json.dumps({"mode": rt.mode, "device": rt.device, "env": os.environ["TRITON_INTERPRET"],
                   "knob": bool(triton.knobs.runtime.interpret), "err": err, "sizes": rt.sizes}))

@@ -1,4 +1,4 @@
-"""Tests of course_lib.softmax: safe/online softmax, state updates and merges (chapter 03)."""
+"""Tests of course_lib.attention.softmax: safe/online softmax, state updates and merges (chapter 03)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from course_lib import softmax as S
+from course_lib.attention import softmax as S
 
 pytestmark = pytest.mark.ch03
 

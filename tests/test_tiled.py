@@ -1,4 +1,4 @@
-"""Tests for course_lib.tiled: both loop orders against the float64 reference, causal tile
+"""Tests for course_lib.attention.tiled: both loop orders against the float64 reference, causal tile
 skipping, the IO counter, and bad input."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from course_lib import iomodel, tiled
-from course_lib.reference import causal_mask, naive_attention_numpy
+from course_lib.attention import iomodel, tiled
+from course_lib.attention.reference import causal_mask, naive_attention_numpy
 
 pytestmark = pytest.mark.ch04
 

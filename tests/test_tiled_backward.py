@@ -1,4 +1,4 @@
-"""The NumPy tiled backward (course_lib.tiled_backward) against torch.autograd in float64."""
+"""The NumPy tiled backward (course_lib.attention.tiled_backward) against torch.autograd in float64."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import course_lib
-from course_lib import tiled_backward as tb
-from course_lib.reference import naive_attention_numpy, naive_attention_torch
+from course_lib.attention import tiled_backward as tb
+from course_lib.attention.reference import naive_attention_numpy, naive_attention_torch
 
 pytestmark = pytest.mark.ch07
 
@@ -146,7 +146,7 @@ def test_inputs_are_not_modified():
 
 
 def test_uses_the_tiled_forward_outputs():
-    tiled = pytest.importorskip("course_lib.tiled", reason="chapter 04's tiled forward not present")
+    tiled = pytest.importorskip("course_lib.attention.tiled", reason="chapter 04's tiled forward not present")
     q, k, v, do = make_inputs(np.random.default_rng(4), (2,), 50, 37, 16, 16)
     o, lse = tiled.flash_attention_numpy(q, k, v, causal=True, block_m=16, block_n=8)
     got = tb.flash_attention_numpy_backward(q, k, v, o, lse, do, True, block_m=8, block_n=16)

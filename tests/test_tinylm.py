@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import runtime, tinylm
+from course_lib.platform import runtime
+from course_lib.integrations import tinylm
 
 pytestmark = pytest.mark.ch07
 

@@ -106,7 +106,7 @@ def test_one_pass_backward_is_the_default_only_where_it_paid():
 def test_small_problems_take_the_triton_kernels_and_every_grid_cell_keeps_gluon():
     """Fewer query tiles than SMs is small (the Triton kernels, the two-kernel backward); every cell
     of the recorded H100 grid (bench.problem_shape over N = 1k-16k, d = 64 and 128) is not."""
-    from course_lib import bench
+    from course_lib.measure import bench
     from course_lib.kernels import tuning
 
     h100_sms = 132

@@ -78,7 +78,7 @@ def test_ch04_prose_matches_the_traffic_table():
     assert _quoted(r"FA1 moves ([\d.]+)× more", prose) == round(fa1_ratio, 2)
     assert _quoted(r"FA2 moves ([\d.]+)× less", prose) == round(fa2_ratio, 1)
 
-    from course_lib import iomodel
+    from course_lib.attention import iomodel
 
     # FA1's cost per score with the cell's tiles, and where it breaks even with standard attention
     block_m, block_n = 32, 16  # the cell's tiles (17e3736e)
@@ -123,7 +123,7 @@ def test_ch01_prose_counts_the_matrices_alive_at_peak_in_both_paths(capsys):
     fallback = learner["attention_numpy"]
     assert fallback.__module__.startswith("course_lib")
 
-    from course_lib import costmodel
+    from course_lib.attention import costmodel
 
     # the CPU branch of the measuring cell (8bd7656d): float32, one head, its largest N
     measuring = _cell(solution_nb, "8bd7656d")
@@ -240,7 +240,7 @@ def test_nbval_markers_are_explained_where_first_met():
 def test_benchmark_plot_is_readable_at_notebook_width(pass_):
     """It was 16 inches wide (shown at ~55% in a notebook: ~6 px text) with the legend over the
     lines of the first panel."""
-    from course_lib import bench
+    from course_lib.measure import bench
 
     fig = bench.plot(bench.load_recorded("h100"), pass_)
     fig.canvas.draw()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.widgets.hints import HintLadder
+from course_lib.teaching.widgets.hints import HintLadder
 
 pytestmark = [pytest.mark.ch00]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib import kvcache
-from course_lib.hardware import GPUS
-from course_lib.widgets._display import FIGSIZE
-from course_lib.widgets.kvcache import KVCacheCalculator
+from course_lib.attention import kvcache
+from course_lib.platform.hardware import GPUS
+from course_lib.teaching.widgets._display import FIGSIZE
+from course_lib.teaching.widgets.kvcache import KVCacheCalculator
 
 pytestmark = pytest.mark.ch08
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from course_lib import costmodel
-from course_lib.hardware import GPUS
-from course_lib.widgets._display import FIGSIZE, LABEL_WIDTH
-from course_lib.widgets.memory import MemoryWidget, format_tick
+from course_lib.attention import costmodel
+from course_lib.platform.hardware import GPUS
+from course_lib.teaching.widgets._display import FIGSIZE, LABEL_WIDTH
+from course_lib.teaching.widgets.memory import MemoryWidget, format_tick
 
 pytestmark = pytest.mark.ch01
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from course_lib.widgets.quiz import (MAX_CHOICE_CHARS, RIGHT_MARK, WRONG_MARK, ConceptCheck,
-                                     MultipleChoice, Numeric, WrongAnswer, concept_check)
+from course_lib.teaching.widgets.quiz import (MAX_CHOICE_CHARS, RIGHT_MARK, WRONG_MARK, ConceptCheck,
+                                              MultipleChoice, Numeric, WrongAnswer, concept_check)
 
 CHOICES = ("four times", "twice", "the same")
 EXPLANATIONS = ("N² pairs: (2N)² = 4N².", "Only Q, K, V double; S grows as N².",
@@ -196,8 +196,8 @@ def test_a_concept_check_needs_questions_of_the_known_types():
 
 
 def test_question_types_are_re_exported_from_quiz_types():
-    from course_lib import quiz_types
-    from course_lib.widgets import quiz
+    from course_lib.teaching import quiz_types
+    from course_lib.teaching.widgets import quiz
 
     for name in ("MultipleChoice", "Numeric", "WrongAnswer", "Feedback", "MAX_CHOICE_CHARS",
                  "DEFAULT_REL_TOL", "RIGHT_MARK", "WRONG_MARK"):

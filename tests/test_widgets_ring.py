@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from numpy import logaddexp
 
-from course_lib.widgets import ring as wr
-from course_lib.widgets._display import FIGSIZE
+from course_lib.teaching.widgets import ring as wr
+from course_lib.teaching.widgets._display import FIGSIZE
 
 pytestmark = pytest.mark.ch11
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from course_lib import costmodel
-from course_lib.hardware import GPUS, TERA, balance_point
-from course_lib.widgets._display import FIGSIZE
-from course_lib.widgets.roofline import RooflineWidget, label_collides
+from course_lib.attention import costmodel
+from course_lib.platform.hardware import GPUS, TERA, balance_point
+from course_lib.teaching.widgets._display import FIGSIZE
+from course_lib.teaching.widgets.roofline import RooflineWidget, label_collides
 
 pytestmark = pytest.mark.ch02
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from course_lib.softmax import safe_softmax
-from course_lib.widgets import softmax_stepper as ws
-from course_lib.widgets._display import FIGSIZE
+from course_lib.attention.softmax import safe_softmax
+from course_lib.teaching.widgets import softmax_stepper as ws
+from course_lib.teaching.widgets._display import FIGSIZE
 
 pytestmark = pytest.mark.ch03
 

@@ -9,9 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from course_lib import mask_results, masks
-from course_lib.widgets.tile_patterns import (BENCH_PATTERNS, PATTERNS, TilePatterns,
-                                              pattern_classes)
+from course_lib.measure import mask_results
+from course_lib.attention import masks
+from course_lib.teaching.widgets.tile_patterns import (BENCH_PATTERNS, PATTERNS, TilePatterns,
+                                                       pattern_classes)
 
 pytestmark = pytest.mark.ch10
 

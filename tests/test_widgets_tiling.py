@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from course_lib import iomodel
-from course_lib.widgets._display import LABEL_WIDTH
-from course_lib.widgets.tiling import (CURRENT, DEFAULT_PLAY_SPEED, DONE, IO_HEADROOM, ORDERS,
+from course_lib.attention import iomodel
+from course_lib.teaching.widgets._display import LABEL_WIDTH
+from course_lib.teaching.widgets.tiling import (CURRENT, DEFAULT_PLAY_SPEED, DONE, IO_HEADROOM, ORDERS,
                                       PLAY_SPEEDS, RESIDENT, SKIPPED, TODO, TilingSimulator)
 
 pytestmark = pytest.mark.ch04

@@ -18,11 +18,11 @@ import os
 import torch
 import triton
 
-from course_lib import runtime
+from course_lib.platform import runtime
 
 rt = runtime.setup()
-from course_lib.bench import flops, problem_shape  # noqa: E402
-from course_lib.exercises import ch06  # noqa: E402
+from course_lib.measure.bench import flops, problem_shape  # noqa: E402
+from course_lib.teaching.exercises import ch06  # noqa: E402
 from course_lib.kernels import tuning  # noqa: E402
 from course_lib.kernels.forward import attention_forward  # noqa: E402
 

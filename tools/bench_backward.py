@@ -26,7 +26,7 @@ DEFAULT_CONFIGS = {64: "32/128/4/3,64/128/8/3,64/128/8/2,64/64/4/3,64/64/4/2,32/
 
 
 def main(argv=None) -> int:
-    from course_lib import bench
+    from course_lib.measure import bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_grid_arguments(parser)
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import backward, forward, tuning
 
     runtime.setup()

@@ -1,6 +1,6 @@
 """Benchmark split-KV decoding (chapter 08): ``flash_decode_triton`` vs SDPA, in HBM bandwidth.
 
-Decoding is memory-bound (:func:`course_lib.decoding.decode_step_cost`: ~1 FLOP per byte), so
+Decoding is memory-bound (:func:`course_lib.attention.decoding.decode_step_cost`: ~1 FLOP per byte), so
 the figure of merit is the achieved HBM bandwidth — bytes of K and V read divided by the time —
 as a fraction of a ceiling measured on the same GPU: a device-to-device copy
 (``torch.Tensor.copy_`` of a large buffer, counting its read and its write).
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     runtime.setup()
     from course_lib.kernels.api import MAX_ELEMENT_OFFSET

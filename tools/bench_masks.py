@@ -3,7 +3,7 @@
 Run ``python tools/bench_masks.py [--quick] [--out FILE]`` on an H100 (needs a GPU; about 6-7
 minutes for the full grid, under a minute with ``--quick``; ``--budget-s`` stops early and says
 what it skipped). For d = 128, fp16 and bf16, N = 4k, 8k, 16k, 32k (``batch · N = 16k`` tokens,
-``heads · d = 2048``, as :mod:`course_lib.bench`), and mask patterns from 100% of the score matrix
+``heads · d = 2048``, as :mod:`course_lib.measure.bench`), and mask patterns from 100% of the score matrix
 down to ~10%:
 
 - ``full``; ``causal``; ``window`` (causal sliding window of 40%, 20%, 10% of N);
@@ -11,7 +11,7 @@ down to ~10%:
 - ``random`` block-sparse layouts over 128x128 blocks (50%, 25%, 10% of the blocks kept).
 
 it times forward and forward+backward of the implementations below: the median of
-``course_lib.bench``'s timer (``--timer cudagraph``, the default, as the bench grid: the call
+``course_lib.measure.bench``'s timer (``--timer cudagraph``, the default, as the bench grid: the call
 replayed in a CUDA graph, so the time is the GPU's alone; ``events``: ``triton.testing.do_bench``,
 Python launch overhead included, which at N = 4k is a fair part of a masked call's time) of
 
@@ -34,7 +34,7 @@ Python launch overhead included, which at N = 4k is a fair part of a masked call
 Each row: impl, dtype, d, N, batch, heads, pattern, param, density (fraction of the score matrix
 visible), tile_density (fraction of the course's tiles visited), pass, ms, tflops (the FLOPs of
 the visible scores, 4·B·H·d·visible forward and 3.5x that for forward+backward, the convention of
-:mod:`course_lib.costmodel`). The JSON has the header of ``course_lib/data/benchmarks/h100.json``
+:mod:`course_lib.attention.costmodel`). The JSON has the header of ``course_lib/data/benchmarks/h100.json``
 (``{"meta": {gpu, driver, torch, triton, date, ...}, "rows": [...]}``).
 """
 
@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from course_lib.bench import TIMERS, _time_ms, flops, machine_meta, problem_shape  # noqa: E402
+from course_lib.measure.bench import TIMERS, _time_ms, flops, machine_meta, problem_shape  # noqa: E402
 
 D = 128
 SEQ_LENS = (4096, 8192, 16384, 32768)
@@ -98,7 +98,7 @@ class Pattern:
     def __init__(self, kind, param, batch, heads, n, device, seed=0):
         import torch
 
-        from course_lib import blockmask as bm
+        from course_lib.attention import blockmask as bm
         from course_lib.kernels import masked
 
         self.kind, self.param, self.batch, self.heads, self.n = kind, param, batch, heads, n
@@ -157,7 +157,7 @@ class Pattern:
         """Fraction of the course's tiles visited (FULL or PARTIAL) for this mask."""
         import torch
 
-        from course_lib import blockmask as bm
+        from course_lib.attention import blockmask as bm
         from course_lib.kernels import masked
 
         if "block_mask" in self.course_kwargs:
@@ -399,14 +399,14 @@ def main(argv=None) -> dict:
     p.add_argument("--flex-static", action="store_true",
                    help="compile flex_attention for each N (dynamic=False): slower to compile")
     p.add_argument("--timer", default="cudagraph", choices=TIMERS,
-                   help="cudagraph: GPU time, the call replayed in a CUDA graph (default, as course_lib.bench); "
+                   help="cudagraph: GPU time, the call replayed in a CUDA graph (default, as course_lib.measure.bench); "
                         "events: triton.testing.do_bench, Python launch overhead included")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
 
     import torch
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_masks needs a CUDA GPU")

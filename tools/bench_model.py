@@ -2,10 +2,10 @@
 
 Run ``python tools/bench_model.py [--contexts 1024 4096 ...] [--impls ...] [--out FILE]`` on a GPU
 (it refuses to run without one). For each context length T (default 1k to 32k) it builds the Llama
-of ``course_lib.model_bench.BENCH_SIZE`` (4 layers, hidden 1024, 16 query heads sharing 8 K/V
+of ``course_lib.measure.model_bench.BENCH_SIZE`` (4 layers, hidden 1024, 16 query heads sharing 8 K/V
 heads of dimension 64; 8,192-token vocabulary, random weights) in bfloat16 and times AdamW training
 steps on random tokens, ``16,384 // T`` sequences a step (16k tokens), with each implementation of
-``course_lib.model_bench.IMPLS``:
+``course_lib.measure.model_bench.IMPLS``:
 
 - ``course_compiled`` / ``course``  the course's kernels (``course_lib.integrations.hf.register()``),
   under ``torch.compile(fullgraph=True)`` / eager;
@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from course_lib import model_bench  # noqa: E402
-from course_lib.bench import machine_meta  # noqa: E402
+from course_lib.measure import model_bench  # noqa: E402
+from course_lib.measure.bench import machine_meta  # noqa: E402
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     runtime.setup()
     size = model_bench.BENCH_SIZE

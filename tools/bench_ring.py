@@ -1,8 +1,8 @@
 """Record ring attention on 1, 2 and 4 GPUs: strong and weak scaling, how much communication
 hides, bytes and memory per GPU, and PyTorch's context_parallel on the same shapes (chapter 11).
 
-One command starts one process per GPU (NCCL, through ``course_lib.ring.run_ranks``) and writes
-``course_lib.ring_results``' format::
+One command starts one process per GPU (NCCL, through ``course_lib.integrations.ring.run_ranks``) and writes
+``course_lib.measure.ring_results``' format::
 
     python tools/bench_ring.py --out ring_multi_gpu.json     # the default grid on 4 GPUs, < 8 min
     python tools/bench_ring.py --dry-run                     # the grid and its estimate only
@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import bench, ring, ring_results
+from course_lib.measure import bench, ring_results
+from course_lib.integrations import ring
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}

@@ -1,6 +1,6 @@
 """Chapter 09's measurements on a Hopper GPU: descriptor (TMA) loads, pipelining depth, warp
 specialization, the two-stage causal loop and FP8, one at a time, against FlashAttention-2 and
-cuDNN (PyTorch's SDPA backends) on ``course_lib.bench``'s grid.
+cuDNN (PyTorch's SDPA backends) on ``course_lib.measure.bench``'s grid.
 
     python tools/fa3_ablation.py --out h100_fa3.json          # everything (~6 min on an H100)
     python tools/fa3_ablation.py --quick                      # d=128, N=4k only
@@ -74,10 +74,10 @@ def main(argv=None):
     import torch
     import triton
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     rt = runtime.setup()
-    from course_lib import bench
+    from course_lib.measure import bench
     from course_lib.kernels import hopper, tuning
     from course_lib.kernels.forward import attention_forward
 
@@ -192,7 +192,7 @@ def main(argv=None):
     if args.no_fp8:
         return data
     # ---- FP8 accuracy on inputs with outliers (FA3's experiment)
-    from course_lib import fp8
+    from course_lib.attention import fp8
 
     b, h, n, d = ACCURACY_SHAPE
     for seed in range(3):

@@ -43,7 +43,8 @@ def _child(d: int, seq_len: int, batch_heads: int, causals=(False, True), before
 
     import triton
 
-    from course_lib import flash_attention, runtime
+    from course_lib import flash_attention
+    from course_lib.platform import runtime
     from course_lib.kernels import fit
 
     runtime.setup(verbose=False)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
                       f"shared {kern['shared'] / 1024:.0f} KiB  regs {kern['registers']}  spills {kern['spill_bytes']} B",
                       flush=True)
     if args.out:
-        from course_lib import bench
+        from course_lib.measure import bench
 
         args.out.write_text(json.dumps({**bench.machine_meta(), "rows": rows}, indent=1) + "\n")
     return 0

@@ -8,7 +8,7 @@ The switches are constexprs of :mod:`course_lib.kernels.gluon_hopper`'s forward 
 ``rescale_tau`` (conditional rescaling: the running max moves only when a tile's max exceeds it by
 more than tau, log2 units; acc and l are rescaled only when some row of the partition moved) and
 ``exp2_emulated`` (of every 4 exponentials of P, how many are computed on the FMA units by
-:mod:`course_lib.fp_emulation`'s polynomial instead of the special-function unit). The configs
+:mod:`course_lib.attention.fp_emulation`'s polynomial instead of the special-function unit). The configs
 (:data:`CONFIGS`): baseline, conditional rescaling tau = 8, exp2 emulated 1/4 and 1/2, both (with the
 fraction that timed faster), and a degree-5 polynomial (for lse's accuracy).
 
@@ -25,7 +25,7 @@ the library keeps chapter 06's Triton forward at d = 64; it is timed beside them
    fraction of (partition, tile) steps whose rescale is skipped, replayed on the host from the same
    scores by the kernel's rule (not counted inside the kernel).
 2. **Speed** (children one after another, the GPU to themselves): forward time by CUDA-graph
-   replay (``course_lib.bench``'s timer and FLOP count) on the bench grid's cells (batch·N = 16k
+   replay (``course_lib.measure.bench``'s timer and FLOP count) on the bench grid's cells (batch·N = 16k
    tokens, heads·d = 2048, N in ``--seq-lens``), TFLOP/s and the ratio to SDPA's cuDNN backend in
    the same cell.
 
@@ -38,7 +38,7 @@ chapter 09 shows is a trimmed record of it, made on any machine without a GPU:
     python tools/gluon_ablation.py --record ablation.json   # writes course_lib/data/benchmarks/h100_fa4_ablation.json
 
 (:func:`record`: the meta, the compiled kernels' facts, the timed cells, the speed and accuracy
-summaries; :mod:`course_lib.hopper_results` reads and prints it.)
+summaries; :mod:`course_lib.measure.hopper_results` reads and prints it.)
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import gluon_forward  # noqa: E402  (tools/: the child runner and the cell timer)
 
-from course_lib import bench, constants, hopper_results  # noqa: E402
+from course_lib.measure import bench, hopper_results  # noqa: E402
+from course_lib import constants
 from course_lib.kernels import gluon_hopper, tuning  # noqa: E402
 
 TAU = gluon_hopper.MAX_RESCALE_TAU  # 8 (log2 units): the largest threshold the kernel allows, the most skipping
@@ -179,7 +180,7 @@ def check_child(variant: str, d: int, config: str) -> dict:
     """Compile facts, errors (beside SDPA's) and rescale-skip fractions of one config."""
     import torch
 
-    from course_lib.reference import naive_attention_torch
+    from course_lib.attention.reference import naive_attention_torch
 
     name = f"{variant}/{d}/{config}"
     switches = CONFIGS[config]
@@ -323,7 +324,7 @@ def _accuracy(rows: list[dict]) -> dict:
 
 def summary(result: dict) -> dict:
     """Per timed impl: median and min ratio to cuDNN and median ratio to its group's baseline
-    (:func:`course_lib.hopper_results.fa4_speed_summary`); per checked config: cases passed and
+    (:func:`course_lib.measure.hopper_results.fa4_speed_summary`); per checked config: cases passed and
     the worst error ratios to SDPA, overall and by input kind, and with conditional rescaling the
     fraction of rescales skipped per input kind (min, median, max over the cases)."""
     by_config: dict = {}
@@ -351,7 +352,7 @@ RECORD_COMPILE_KEYS = ("registers", "spill_bytes", "shared_bytes", "ex2", "poly_
 
 def record(full: dict) -> dict:
     """The trimmed record of one full run (``--out``'s JSON): what
-    ``course_lib/data/benchmarks/h100_fa4_ablation.json`` holds and :mod:`course_lib.hopper_results` reads.
+    ``course_lib/data/benchmarks/h100_fa4_ablation.json`` holds and :mod:`course_lib.measure.hopper_results` reads.
 
     Keeps the meta (with the grid's tokens and model width and the exp2 pack size of the kernel
     that ran, for runs whose meta predates them), the compiled kernels' facts of

@@ -8,7 +8,7 @@ the error of dQ, dK and dV against a float64 reference on ragged shapes (fp16/bf
 a (B, N, H, d) stride case), next to the error of chapter 07's Triton backward on the same inputs.
 ``speed``: TFLOP/s of forward+backward of ``course_lib.flash_attention`` with the Gluon backward
 and without it (``COURSE_LIB_GLUON_BACKWARD=0``: chapter 07's Triton backward), and of SDPA's
-cuDNN backend, on the bench grid's d = 128 cells (CUDA-graph median, ``course_lib.bench``'s timer
+cuDNN backend, on the bench grid's d = 128 cells (CUDA-graph median, ``course_lib.measure.bench``'s timer
 and FLOP count); the backward alone is forward+backward minus forward. Run each part under
 ``timeout``: a barrier that never completes hangs the kernel.
 """
@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-from course_lib import bench
-from course_lib.reference import naive_attention_torch
+from course_lib.measure import bench
+from course_lib.attention.reference import naive_attention_torch
 
 CHECK_SHAPES = [(2, 3, 1000, 128), (1, 2, 2111, 128), (1, 1, 64, 128), (2, 3, 1000, 64)]
 DTYPES = ("float16", "bfloat16")

@@ -11,7 +11,7 @@ For each variant of :data:`course_lib.kernels.gluon_hopper.VARIANTS` it prints a
    softmax; ``setmaxnreg``: per-partition register budgets);
 2. its error against a float64 reference (max |o - o_ref| and max |lse - lse_ref|) on ragged
    shapes, causal and not, fp16 and bf16, next to the TMA forward's error on the same inputs;
-3. its speed in TFLOP/s (the median of a CUDA-graph replay, ``course_lib.bench``'s timer and FLOP
+3. its speed in TFLOP/s (the median of a CUDA-graph replay, ``course_lib.measure.bench``'s timer and FLOP
    count) on the bench grid's cells at d=128, next to our TMA forward
    (:func:`course_lib.kernels.hopper.attention_forward_tma`) and SDPA's cuDNN backend.
 
@@ -34,8 +34,8 @@ import traceback
 
 import torch
 
-from course_lib import bench
-from course_lib.reference import naive_attention_torch
+from course_lib.measure import bench
+from course_lib.attention.reference import naive_attention_torch
 
 CHECK_SHAPES = [(2, 3, 1000, 128), (2, 3, 2111, 128), (2, 3, 1000, 64)]
 SPEED_SEQ_LENS = (1024, 4096, 16384)

@@ -73,7 +73,7 @@ def error_case(name: str, n: int, batch: int, device):
     """``(kwargs of flash_attention_with_lse, element mask (B or 1, 1, n, n))`` of one mask."""
     import torch
 
-    from course_lib import blockmask as bm
+    from course_lib.attention import blockmask as bm
 
     gen = torch.Generator().manual_seed(len(name))
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
@@ -164,7 +164,7 @@ def check_errors() -> list[dict]:
 def time_ms(fn) -> float:
     import torch
 
-    from course_lib import bench
+    from course_lib.measure import bench
 
     with torch.no_grad():
         fn()  # compile
@@ -294,7 +294,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from course_lib.bench import machine_meta
+    from course_lib.measure.bench import machine_meta
 
     if not torch.cuda.is_available():
         sys.exit("tools/gluon_masked.py needs a Hopper GPU; without one, tests/test_gluon_masked.py cross-compiles")

@@ -4,7 +4,7 @@ The class: 8 finished notebooks (the solution), 6 half-finished (the learner not
 or 10.1 and 10.2, filled in), 2 untouched, 8 with one classic mistake each, and 6 hostile ones
 (a patched check, a forged log with a fake ✓, a copy of the solutions attempted, a cell that
 never ends, memory exhausted, the process killed). Every learner's expected row is known; the
-tool grades the class with ``python -m course_lib.grade --jobs N``, compares, and prints the
+tool grades the class with ``python -m course_lib.teaching.grade --jobs N``, compares, and prints the
 time per notebook.
 
 Usage::
@@ -92,7 +92,7 @@ def _before_check(exercise: str, source: str, base=lambda: _read(SOLUTION), stub
 
 PATCH_CHECK = """\
 import json, os, sys
-mod = sys.modules['course_lib.exercises.ch' + '10']
+mod = sys.modules['course_lib.teaching.exercises.ch' + '10']
 log = os.environ.get('COURSE_' + 'GRA' + 'DE_LOG', os.path.join(os.getcwd(), 'log.jsonl'))
 def fake(kernel, *a, **k):
     with open(log, 'a') as f:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     class_dir, results = out / "class", out / "results"
     expected = write_class(class_dir)
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "course_lib.grade", str(class_dir), "--out",
+    run = subprocess.run([sys.executable, "-m", "course_lib.teaching.grade", str(class_dir), "--out",
                           str(results), "--jobs", str(args.jobs), "--timeout", str(args.timeout)],
                          capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - start

@@ -1,8 +1,8 @@
-# A container for grading a class with `python -m course_lib.grade` (CPU, Triton's interpreter).
+# A container for grading a class with `python -m course_lib.teaching.grade` (CPU, Triton's interpreter).
 #
 # The grader sandboxes each notebook with bubblewrap *inside* the container: the container keeps
 # the class away from your machine, bubblewrap keeps each notebook away from the grader, the
-# solutions and the other notebooks (see README.md, "Grading with course_lib.grade"). bubblewrap
+# solutions and the other notebooks (see README.md, "Grading with course_lib.teaching.grade"). bubblewrap
 # needs to create namespaces, which Docker's default seccomp and AppArmor profiles forbid: run with
 # the two --security-opt below (or with rootless Podman, which allows them). The grader prints
 # `isolation: bubblewrap ...` when it works; with --isolation bubblewrap it refuses to grade
@@ -34,4 +34,4 @@ COPY notebooks ./notebooks
 # torch's CPU wheel (PyPI's Linux torch is the multi-GB CUDA build); the pins are pyproject's
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -e '.[lab]'
 
-ENTRYPOINT ["python", "-m", "course_lib.grade"]
+ENTRYPOINT ["python", "-m", "course_lib.teaching.grade"]

@@ -5,7 +5,7 @@ On the GPU machine:
         python3 tools/ncu_hbm.py naive   > naive.csv
     ncu ... python3 tools/ncu_hbm.py flash > flash.csv
 Then ``python tools/ncu_hbm.py --summarize naive.csv flash.csv`` sums the bytes per run and sets
-them beside chapter 04's model (course_lib.iomodel), which counts every tile load as HBM
+them beside chapter 04's model (course_lib.attention.iomodel), which counts every tile load as HBM
 traffic (no cache between SRAM and HBM).
 
 Setting: one forward pass, batch 1, 16 heads, N = 4096, d = 64, fp16, non-causal; the forward
@@ -24,7 +24,7 @@ ELEMENT_BYTES = 2  # fp16
 
 def run(which: str) -> None:
     os.environ["COURSE_LIB_AUTOTUNE"] = "0"
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
     rt = runtime.setup()
     import torch
@@ -45,7 +45,7 @@ def run(which: str) -> None:
 
 
 def summarize(paths: list[str]) -> None:
-    from course_lib import costmodel, iomodel
+    from course_lib.attention import costmodel, iomodel
     from course_lib.kernels import tuning
 
     blocks = tuning.gpu_default("forward", D, ELEMENT_BYTES)

@@ -21,7 +21,7 @@ there the kernels' Python execution dominates). ``both`` (the default on CPU) do
 other. Prints one line per (launches, pass) with microseconds per call, then the leaders.
 
 ``--stand-in 90`` (CPU only) takes the GPU path without a GPU: kernels are compiled for that compute
-capability by :class:`course_lib.reach.StandInDriver` and every launch does nothing, so what is
+capability by :class:`course_lib.measure.reach.StandInDriver` and every launch does nothing, so what is
 timed is the host work of GPU mode with Triton's compiled-kernel launches (argument binding,
 ``fit.choose``, launches by handle), on CPU tensors: the Hopper-only Gluon and TMA paths, which
 need CUDA tensors, are not taken.
@@ -81,17 +81,17 @@ def no_launches():
 
 
 def bench_module():
-    """``course_lib.bench`` (its eager timer and its steps), from the course_lib being timed, or this
-    checkout's ``course_lib/bench.py`` when that one is older than the eager timer (timing an older
+    """``course_lib.measure.bench`` (its eager timer and its steps), from the course_lib being timed, or this
+    checkout's ``course_lib/measure/bench.py`` when that one is older than the eager timer (timing an older
     version of the library: the step still calls the older library's ``flash_attention``)."""
-    from course_lib import bench
+    from course_lib.measure import bench
 
     if hasattr(bench, "time_eager_loops"):
         return bench
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_bench_of_this_checkout",
-                                                  Path(__file__).resolve().parents[1] / "course_lib" / "bench.py")
+                                                  Path(__file__).resolve().parents[1] / "course_lib" / "measure" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -166,19 +166,19 @@ def main(argv=None) -> dict:
                         "call (is the GPU or the host the bottleneck?)")
     p.add_argument("--stand-in", type=int, default=None, metavar="ARCH",
                    help="CPU only: the GPU path, compiled for this compute capability (e.g. 90), launches "
-                        "doing nothing (course_lib.reach's stand-in driver)")
+                        "doing nothing (course_lib.measure.reach's stand-in driver)")
     args = p.parse_args(argv)
 
     import torch
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
 
-    if args.stand_in is not None:  # before any kernel module is imported, as course_lib.reach does
+    if args.stand_in is not None:  # before any kernel module is imported, as course_lib.measure.reach does
         import os
 
         from triton.runtime import driver
 
-        from course_lib.reach import StandInDriver
+        from course_lib.measure.reach import StandInDriver
 
         os.environ["TRITON_INTERPRET"] = "0"
         rt = runtime.use_stand_in_gpu(f"sm_{args.stand_in} (stand-in: compiles, never launches)")

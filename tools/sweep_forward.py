@@ -18,7 +18,7 @@ CANDIDATES = {64: "128/64/8/3,128/64/4/2,128/64/4/3,64/64/4/3,64/64/4/2,128/128/
 
 
 def main(argv=None) -> int:
-    from course_lib import bench
+    from course_lib.measure import bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_grid_arguments(parser)
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import api, tuning
 
     runtime.setup()

@@ -1,6 +1,6 @@
 """Cross-compile the backward kernels for a GPU we may not have (default sm_90) and print shared
 memory, registers and spills per config: the two-kernel backward (dK/dV, dQ) and the one-pass
-backward (dK/dV with dQ atomics or TMA reduce-adds). Runs on the CPU (course_lib.reach's stand-in
+backward (dK/dV with dQ atomics or TMA reduce-adds). Runs on the CPU (course_lib.measure.reach's stand-in
 driver). Used to choose the one-pass configs before timing them on an H100:
 
     python tools/sweep_onepass.py --head-dims 64,128 --dtypes float16
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     from triton.runtime import driver
 
-    from course_lib import runtime
-    from course_lib.reach import StandInDriver
+    from course_lib.platform import runtime
+    from course_lib.measure.reach import StandInDriver
 
     runtime.use_stand_in_gpu(f"sm_{args.arch}")
     driver.set_active(StandInDriver(args.arch))

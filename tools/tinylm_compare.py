@@ -5,7 +5,8 @@ Run on either machine: ``python tools/tinylm_compare.py`` (sizes follow the runt
 
 import time
 
-from course_lib import runtime, tinylm
+from course_lib.platform import runtime
+from course_lib.integrations import tinylm
 
 rt = runtime.setup()
 size = tinylm.run_size(rt.on_gpu)

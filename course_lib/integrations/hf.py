@@ -77,7 +77,7 @@ except ImportError as err:  # the course pins transformers; a bare install of co
                       "pip install transformers (pyproject.toml pins the tested version)") from err
 
 import course_lib
-from course_lib.reference import default_scale
+from course_lib.attention.reference import default_scale
 
 __all__ = ["DEFAULT_NAME", "register", "attention_forward", "padding_mask"]
 

@@ -22,5 +22,5 @@ Modules, in the order the chapters teach them:
   :func:`~course_lib.kernels.api.flash_attention` (and ``flash_attention_varlen``).
 
 Importing this package decorates no kernel; the submodules do, after
-:func:`course_lib.runtime.ensure_configured` has chosen GPU or interpreter.
+:func:`course_lib.platform.runtime.ensure_configured` has chosen GPU or interpreter.
 """

@@ -14,7 +14,7 @@ is_causal=causal, scale=scale)`` without dropout or an explicit mask:
   interpreter only (for ``torch.autograd.gradcheck``);
 - head dims 16 to 256, any integer in between (non-powers of two are padded inside the kernel);
 - CUDA tensors on a GPU, CPU tensors through Triton's interpreter (whichever
-  :func:`course_lib.runtime.setup` chose).
+  :func:`course_lib.platform.runtime.setup` chose).
 
 Anything else is refused with a ``TypeError`` or ``ValueError`` that names the argument.
 
@@ -28,7 +28,7 @@ causal kernels above run exactly as before:
 - ``seq_lens``: a padded batch, ``(B,)`` ints (the same for queries and keys) or a pair
   ``(seq_lens_q, seq_lens_k)``, for ``(B, H, N, d)`` inputs: sample ``b`` has that many real
   queries/keys; padding rows get ``o = 0``; the window is aligned per sample;
-- ``block_mask``: a :class:`course_lib.blockmask.BlockMask` (block-sparse, documents, any
+- ``block_mask``: a :class:`course_lib.attention.blockmask.BlockMask` (block-sparse, documents, any
   ``mask_mod``); the kernels run with its tile sizes;
 - GQA/MQA by shape, for ``(B, H, N, d)`` inputs (4 or more dims): ``k``, ``v``
   ``(B, H_kv, N_k, d)`` with ``H_kv`` dividing q's ``H``
@@ -52,14 +52,14 @@ import numbers
 
 import torch
 
-from course_lib import blockmask as bm
-from course_lib import runtime
+from course_lib.attention import blockmask as bm
+from course_lib.platform import runtime
 from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
 from course_lib.kernels import hopper, ops  # noqa: F401 (hopper: tools/sweep_forward.py reads api.hopper)
 from course_lib.kernels import plan as plans
 from course_lib.kernels.forward import attention_forward  # noqa: F401 (tools/sweep_forward.py reads it here)
 from course_lib.kernels.plan import as_4d  # made for the launch plans; teaching.py, ring.py import it from here
-from course_lib.reference import default_scale
+from course_lib.attention.reference import default_scale
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETER_ONLY_DTYPES = (torch.float64,)
@@ -391,7 +391,7 @@ def _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask):
     q4, k4 = as_4d(q), as_4d(k)
     batch, heads, n_q, n_k = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
     if block_mask is not None and not isinstance(block_mask, bm.BlockMask):
-        raise TypeError(f"block_mask must be a course_lib.blockmask.BlockMask, got {type(block_mask).__name__}")
+        raise TypeError(f"block_mask must be a course_lib.attention.blockmask.BlockMask, got {type(block_mask).__name__}")
     if block_mask is not None:
         if (block_mask.n_q, block_mask.n_k) != (n_q, n_k):
             raise ValueError(f"block_mask was built for n_q={block_mask.n_q}, n_k={block_mask.n_k}; the inputs "

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import runtime
+from course_lib.platform import runtime
 from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.launch import CachedLaunch
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim

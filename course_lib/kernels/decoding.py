@@ -1,6 +1,6 @@
 """Split-KV decoding ("flash-decoding") as Triton kernels, with GQA/MQA (chapter 08).
 
-Chapter 08's NumPy version (:func:`course_lib.decoding.flash_decode`) cut the KV cache into
+Chapter 08's NumPy version (:func:`course_lib.attention.decoding.flash_decode`) cut the KV cache into
 ``S`` chunks, computed each chunk's softmax state ``(m, l, o)`` independently and merged the
 states with chapter 03's merge. Here the same two steps are two kernels:
 
@@ -10,18 +10,18 @@ states with chapter 03's merge. Here the same two steps are two kernels:
    softmax (exp2, scale folded in, the ragged last tile of the chunk masked) and writes the
    chunk's state to a float32 workspace: ``m`` and ``l`` ``(B, H, S, n_q)``, ``o``
    ``(B, H, S, n_q, d)``. ``m`` is stored in natural-log units and ``o`` normalised (``acc/l``),
-   exactly the states of :func:`course_lib.decoding.split_kv_partials`; an empty chunk stores
+   exactly the states of :func:`course_lib.attention.decoding.split_kv_partials`; an empty chunk stores
    the empty state ``m = -inf, l = 0, o = 0``.
 2. :func:`combine_kernel`: one program per (query row, head, batch) merges the ``S`` states —
    ``m = max_s m_s``, weights ``w_s = l_s · exp(m_s − m)``, ``o = Σ w_s o_s / Σ w_s`` (chapter
-   03's :func:`~course_lib.softmax.merge_states_with_output`, all ``S`` at once: the merge is
+   03's :func:`~course_lib.attention.softmax.merge_states_with_output`, all ``S`` at once: the merge is
    associative, so this equals merging pairwise) — and writes ``o`` in the input dtype and the
    natural-log ``lse = m + log(Σ w_s)``.
 
 Chunks: split ``s`` owns keys ``[s · c, min((s + 1) · c, N))`` with ``c = cdiv(N, S)``, so only
 the last tile of each chunk is ragged; with ``S > N`` the last chunks are empty.
 
-GQA/MQA: query head ``h`` reads K/V head ``h // (H // H_kv)`` (:func:`course_lib.gqa.kv_head_index`)
+GQA/MQA: query head ``h`` reads K/V head ``h // (H // H_kv)`` (:func:`course_lib.attention.gqa.kv_head_index`)
 by pointer arithmetic; K and V are never repeated. Consecutive query heads are adjacent in the
 grid, so the programs of one group read the same K/V chunk at about the same time (from L2).
 :func:`split_kv_kernel` (exercise 8.4) gives each query head its own program;
@@ -41,13 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import constants, runtime
-from course_lib.decoding import num_splits_to_fill
+from course_lib import constants
+from course_lib.platform import runtime
+from course_lib.attention.decoding import num_splits_to_fill
 from course_lib.kernels import fit, ops, tiles, tuning
 from course_lib.kernels.api import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
 from course_lib.kernels.forward import compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E, MASK_VALUE
-from course_lib.reference import default_scale
+from course_lib.attention.reference import default_scale
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
@@ -270,7 +271,7 @@ def launch_combine(m, l, o_part, out, lse, kernel=None) -> None:
 
 def choose_splits(batch: int, heads: int, seq_len: int, block_n: int = DECODE_BLOCK_N) -> int:
     """Default number of splits: on a GPU, enough programs for every SM
-    (:func:`course_lib.decoding.num_splits_to_fill`); in the interpreter, a few. Never more
+    (:func:`course_lib.attention.decoding.num_splits_to_fill`); in the interpreter, a few. Never more
     splits than key tiles, nor than :data:`MAX_SPLITS`."""
     if _rt.on_gpu:
         sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

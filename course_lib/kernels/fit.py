@@ -18,8 +18,8 @@ it loads: its speed was measured with whatever few bytes it spills, so the H100 
 H100 choice and nothing extra is compiled. The answer is cached per device and kernel shape, so
 later calls cost a dictionary lookup.
 
-``python -m course_lib.reach`` runs the same choice for GPUs we do not have, by giving Triton a
-stand-in driver for the target (:mod:`course_lib.reach`).
+``python -m course_lib.measure.reach`` runs the same choice for GPUs we do not have, by giving Triton a
+stand-in driver for the target (:mod:`course_lib.measure.reach`).
 """
 
 from __future__ import annotations

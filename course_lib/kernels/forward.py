@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import constants, runtime
+from course_lib import constants
+from course_lib.platform import runtime
 from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.launch import CachedLaunch
 from course_lib.kernels.tiles import LN_2, MASK_VALUE

@@ -62,7 +62,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from course_lib.blockmask import UNBOUNDED
+from course_lib.attention.blockmask import UNBOUNDED
 from course_lib.kernels import compat, gluon_hopper, gluon_masked
 from course_lib.kernels.launch import CachedLaunch
 
@@ -477,7 +477,7 @@ def library_uses_gluon_backward(q, k, v, o, do) -> bool:
     a Hopper GPU, head dim in :data:`~course_lib.kernels.tuning.GLUON_BACKWARD_HEAD_DIMS`, inputs
     it covers, no autotuning asked for, and neither ``COURSE_LIB_GLUON`` nor
     ``COURSE_LIB_GLUON_BACKWARD`` set to 0."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import tuning
 
     if runtime.current().interpreted or q.device.type != "cuda" or not gluon_hopper.available():
@@ -619,7 +619,7 @@ def library_uses_gluon_masked_backward(q, k, v, o, do, plan) -> bool:
     :func:`masked_backward_gluon`: where the dense backward takes this file's kernel
     (:func:`library_uses_gluon_backward`'s switches and head dims) and the masked Gluon forward
     covers the mask."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import tuning
 
     if runtime.current().interpreted or q.device.type != "cuda" or not gluon_hopper.available():

@@ -36,7 +36,7 @@ H100 measures them (``tools/gluon_ablation.py``): **conditional rescaling** (``r
 running max moves only when a tile's max exceeds it by more than tau, and the accumulator is
 rescaled only when some row of the warpgroup moved, behind a branch all its threads take alike)
 and **software exp2** (``exp2_emulated``: part of P's exponentials computed on the FMA units by
-range reduction and a polynomial, :mod:`course_lib.fp_emulation`, to unload the special-function
+range reduction and a polynomial, :mod:`course_lib.attention.fp_emulation`, to unload the special-function
 unit). :func:`kernel_facts` finds both in the PTX.
 
 Not covered (the launcher raises ValueError): head dims other than 64 and 128, dtypes other than
@@ -58,7 +58,8 @@ from numbers import Integral, Real
 import torch
 import triton
 
-from course_lib import constants, fp_emulation
+from course_lib import constants
+from course_lib.attention import fp_emulation
 from course_lib.kernels import compat
 from course_lib.kernels.launch import CachedLaunch, rebased
 
@@ -91,7 +92,7 @@ LOG2_E = constants.LOG2_E  # the host folds it into the score scale: exp(x) = ex
 #   far below fp16's largest value (65504; bf16's is 3e38), so P converts to the input dtype for
 #   the P·V product without overflow. 0 = always rescale (the kernel as it was).
 # - software exp2: of every EXP2_PACK exponentials of P (one inline-asm block), EXP2_EMULATED run
-#   on the FMA units (course_lib.fp_emulation's recipe and constants, polynomial of degree
+#   on the FMA units (course_lib.attention.fp_emulation's recipe and constants, polynomial of degree
 #   EXP2_DEGREE) and the rest on the special-function unit (ex2.approx). 0 = gl.exp2 everywhere.
 MAX_RESCALE_TAU = 8.0
 RESCALE_TAU = 0.0
@@ -140,7 +141,7 @@ _EXP2_PTX = {"clamp": _ptx_f32(fp_emulation.EXP2_CLAMP), "magic": _ptx_f32(fp_em
 @triton.constexpr_function
 def _exp2_asm(emulated: int, pack: int, degree: int) -> str:
     """The PTX of one inline-asm block of ``pack`` exponentials 2^x (outputs ``$0..``, inputs
-    ``$pack..``): the first ``emulated`` on the FMA units by :mod:`course_lib.fp_emulation`'s range
+    ``$pack..``): the first ``emulated`` on the FMA units by :mod:`course_lib.attention.fp_emulation`'s range
     reduction and polynomial of ``degree``, the others by ``ex2.approx.ftz.f32`` (the MUFU)."""
     poly = _EXP2_PTX["polys"][degree]  # c0 ... c_deg
     magic = _EXP2_PTX["magic"]
@@ -266,7 +267,7 @@ if GLUON_IMPORT_ERROR is None:
     def _exp2(x, EXP2_EMULATED: gl.constexpr, EXP2_DEGREE: gl.constexpr):
         """2^x elementwise (fp32): the special-function unit's exp2, or with EXP2_EMULATED > 0
         that many of every _EXP2_PACK elements on the FMA units (FlashAttention-4's software exp2,
-        :mod:`course_lib.fp_emulation`) to share the load between the two units."""
+        :mod:`course_lib.attention.fp_emulation`) to share the load between the two units."""
         if EXP2_EMULATED == 0:
             y = gl.exp2(x)
         else:
@@ -648,7 +649,7 @@ def library_uses_gluon(q, k, v) -> bool:
     GPU, head dim in :data:`~course_lib.kernels.tuning.GLUON_HEAD_DIMS` (where it was measured
     faster than the TMA forward), inputs it covers, no autotuning asked for, and
     ``COURSE_LIB_GLUON`` not set to 0. Everything else keeps chapter 06's or 09's Triton kernels."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import tuning
 
     if runtime.current().interpreted or q.device.type != "cuda" or not available():
@@ -659,10 +660,10 @@ def library_uses_gluon(q, k, v) -> bool:
 
 
 def _compiling_only() -> bool:
-    """Whether the active Triton driver is :class:`course_lib.reach.StandInDriver` (compile, never run)."""
+    """Whether the active Triton driver is :class:`course_lib.measure.reach.StandInDriver` (compile, never run)."""
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     return isinstance(driver._active, StandInDriver)
 
@@ -757,7 +758,7 @@ def attention_forward_gluon(q, k, v, causal: bool, scale: float | None = None, v
         exp2_emulated: of every :data:`EXP2_PACK` exponentials of P, how many are computed on the
             FMA units (0 to EXP2_PACK). None: :data:`EXP2_EMULATED`.
         exp2_degree: the degree of that polynomial, a key of
-            :data:`course_lib.fp_emulation.EXP2_POLYS`. None: :data:`EXP2_DEGREE`.
+            :data:`course_lib.attention.fp_emulation.EXP2_POLYS`. None: :data:`EXP2_DEGREE`.
 
     Raises:
         ValueError naming what is not covered (see :func:`gluon_unsupported_reason`); TypeError /
@@ -839,7 +840,7 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
                   **switches):
     """Compile one variant for sm_90 on a machine without a GPU and return :func:`kernel_facts`.
 
-    Uses :class:`course_lib.reach.StandInDriver` (a driver that compiles and "loads" but never
+    Uses :class:`course_lib.measure.reach.StandInDriver` (a driver that compiles and "loads" but never
     launches) on CPU tensors, and puts the real driver back afterwards. ``switches``: issue 35's
     ``rescale_tau``, ``exp2_emulated``, ``exp2_degree`` (:func:`attention_forward_gluon`)."""
     with stand_in_sm90():
@@ -851,12 +852,12 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
 @contextlib.contextmanager
 def stand_in_sm90():
     """Within it, kernels launched on CPU tensors are compiled for sm_90 and never run
-    (:class:`course_lib.reach.StandInDriver`); the real driver is put back afterwards."""
+    (:class:`course_lib.measure.reach.StandInDriver`); the real driver is put back afterwards."""
     import os
 
     from triton.runtime import driver
 
-    from course_lib.reach import StandInDriver
+    from course_lib.measure.reach import StandInDriver
 
     old_interpret = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"

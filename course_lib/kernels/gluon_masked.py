@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.blockmask import UNBOUNDED
+from course_lib.attention.blockmask import UNBOUNDED
 from course_lib.kernels import compat
 from course_lib.kernels import gluon_hopper as gh
 
@@ -289,7 +289,7 @@ def library_uses_gluon_masked(q, k, v, plan) -> bool:
     """Whether :func:`course_lib.kernels.masked.masked_forward` takes this kernel: a Hopper GPU,
     head dim in :data:`LIBRARY_HEAD_DIMS`, inputs it covers, ``COURSE_LIB_GLUON`` not 0 (the
     dense Gluon forward's switch, :func:`course_lib.kernels.tuning.gluon_enabled`)."""
-    from course_lib import runtime
+    from course_lib.platform import runtime
     from course_lib.kernels import tuning
 
     if runtime.current().interpreted or q.device.type != "cuda" or not tuning.gluon_enabled():
@@ -379,7 +379,7 @@ masked_forward_gluon.last_kernel = None
 def _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mask):
     """Zero q and k (CPU) and the :class:`~course_lib.kernels.masked.MaskPlan` the library's API
     builds for one of the masks :func:`cross_compile` names (under a stand-in driver)."""
-    from course_lib import blockmask as bm
+    from course_lib.attention import blockmask as bm
     from course_lib.kernels import api
 
     batch, heads, n, d = q_shape

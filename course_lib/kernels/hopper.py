@@ -23,11 +23,11 @@ Knobs the chapter's ablation turns one at a time (all constexpr, all in this one
 - ``FP8``: q, k, v in e4m3 (``torch.float8_e4m3fn``) with per-(batch, head) scales, V stored
   transposed (Hopper's fp8 tensor-core instruction wants both operands K-major), P cast to e4m3
   for the second matmul, as FA3 does. The host side (:func:`fp8_attention_forward`) quantizes,
-  after an optional random Hadamard rotation of q and k (:mod:`course_lib.fp8`).
+  after an optional random Hadamard rotation of q and k (:mod:`course_lib.attention.fp8`).
 
 Exercise 9.3's answer, :func:`scores_kernel` (one tile of ``S = scale · Q Kᵀ`` with Q and K
 tiles loaded by ``tl.make_tensor_descriptor``, the device-side descriptor) and its launcher live
-here too; :mod:`course_lib.exercises.ch09` keeps the check's cases and mistakes.
+here too; :mod:`course_lib.teaching.exercises.ch09` keeps the check's cases and mistakes.
 
 The interpreter runs all of it on CPU (descriptors and fp8 dots included), so the tests check the
 same kernel there; the speed only exists on a Hopper GPU.
@@ -39,12 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import runtime
+from course_lib.platform import runtime
 from course_lib.kernels import tiles, tuning
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.launch import CachedLaunch, rebased
 from course_lib.kernels.tiles import LN_2, MASK_VALUE
-from course_lib.reference import default_scale
+from course_lib.attention.reference import default_scale
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 
@@ -277,7 +277,7 @@ def quantize_fp8(q, k, v, rotate: bool = True, seed: int = 0):
 
     Returns ``(q8, k8, vt8, qk_scale, v_scale)``; the scales are ``(B·H,)`` float32.
     """
-    from course_lib import fp8
+    from course_lib.attention import fp8
 
     if rotate:
         r = fp8.random_rotation(q.shape[-1], seed).to(device=q.device, dtype=torch.float32)  # (d, d)

@@ -1,7 +1,7 @@
 """Masked FlashAttention in Triton (chapter 10): visited tiles only, forward and backward.
 
 Chapter 04 sorted tile pairs into SKIP / PARTIAL / FULL; chapter 06's kernel did it for the causal
-mask with loop bounds. Here the tile rule becomes *data*: a :class:`course_lib.blockmask.BlockMask`
+mask with loop bounds. Here the tile rule becomes *data*: a :class:`course_lib.attention.blockmask.BlockMask`
 gives each Q tile two int32 lists, its FULL K/V tiles and its PARTIAL ones. A forward program
 
 1. loads its Q tile once;
@@ -60,8 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import runtime
-from course_lib.blockmask import UNBOUNDED, BlockMask
+from course_lib.platform import runtime
+from course_lib.attention.blockmask import UNBOUNDED, BlockMask
 from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.backward import delta_launch, run_delta
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim

@@ -22,7 +22,7 @@ Forward ops take ``(q, k, v, *rest)`` and return ``(o, lse)``; the backward op o
 ``(do, q, k, v, o, lse, *rest)`` with the same ``rest`` and returns ``(dq, dk, dv)``. Op arguments
 are tensors, numbers, bools and lists only, so Python objects are taken apart at the boundary:
 a window is ``[left, right]``, ``seq_lens`` two optional tensors, a
-:class:`~course_lib.blockmask.BlockMask` its tile classes, element mask, document ids and sizes
+:class:`~course_lib.attention.blockmask.BlockMask` its tile classes, element mask, document ids and sizes
 (:func:`mask_args`), and the op's implementation puts them back together (:func:`mask_from_args`,
 cached) and rebuilds its launch plan there (the API's plan caches).
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib import blockmask as bm
+from course_lib.attention import blockmask as bm
 
 NAMESPACE = "course"
 
@@ -150,7 +150,7 @@ def mask_args(window, seq_lens, block_mask) -> tuple:
 
     Args:
         window: ``(left, right)`` or None; seq_lens: None, a ``(B,)`` tensor or a pair of them;
-        block_mask: a :class:`~course_lib.blockmask.BlockMask` whose element rules (causal,
+        block_mask: a :class:`~course_lib.attention.blockmask.BlockMask` whose element rules (causal,
             window, seq_lens) the caller has already merged into the other arguments, or None.
 
     Returns:
@@ -174,7 +174,7 @@ def mask_from_args(window, seq_lens_q, seq_lens_k, block_classes, block_element_
                    document_ids_k, block_sizes):
     """Inverse of :func:`mask_args`: ``(window, seq_lens, block_mask)`` for the API's plan builders.
 
-    The :class:`~course_lib.blockmask.BlockMask` is rebuilt once per set of tensors (its tile
+    The :class:`~course_lib.attention.blockmask.BlockMask` is rebuilt once per set of tensors (its tile
     lists are computed in the constructor) and kept, so that a compiled call that passes the same
     block mask's tensors again finds it, with the launch plans and device copies the API keeps
     inside it.

@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from course_lib import runtime
+from course_lib.platform import runtime
 from course_lib.kernels import backward, forward, hopper, tuning
 from course_lib.kernels.launch import CachedLaunch
 

@@ -18,7 +18,7 @@ step  the learner writes                     what it adds
 
 This module holds the correct pieces (the "library" versions the notebook falls back on), the
 kernel and its launcher (:func:`forward`). The checks of the exercises are in
-:mod:`course_lib.exercises.ch06`.
+:mod:`course_lib.teaching.exercises.ch06`.
 
 The library kernel, :func:`course_lib.kernels.forward.attention_forward_kernel`, has the same
 names and the same shape: it calls the tile helpers of :mod:`course_lib.kernels.tiles` where
@@ -37,12 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from course_lib import constants, runtime
+from course_lib import constants
+from course_lib.platform import runtime
 from course_lib.kernels import tiles
 from course_lib.kernels.api import as_4d
 from course_lib.kernels.forward import kernel_dtypes
 from course_lib.kernels.tiles import LOG2_E, MASK_VALUE, kv_loop_end
-from course_lib.reference import default_scale
+from course_lib.attention.reference import default_scale
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 

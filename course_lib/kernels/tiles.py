@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from course_lib import constants, runtime
+from course_lib import constants
+from course_lib.platform import runtime
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
 

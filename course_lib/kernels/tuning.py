@@ -182,7 +182,7 @@ def gpu_default(kernel: str, head_dim: int, element_size: int, seq_len: int | No
 
 # Smaller configs to fall back on, in order of preference, when the table's choice does not fit
 # a GPU with less shared memory than an H100 or spills registers there (kernels/fit.py chooses,
-# `python -m course_lib.reach` shows the choice per GPU). Fewer pipeline stages first (same tiles,
+# `python -m course_lib.measure.reach` shows the choice per GPU). Fewer pipeline stages first (same tiles,
 # one K/V tile pair less in flight), then smaller tiles. The owned tile (BLOCK_M of forward and dQ,
 # BLOCK_N of dK/dV) shrinks last: it sets how often K and V (or Q and dO) are re-read. Last, 8 warps
 # on small tiles: half the registers per thread (the fp32 masked backward at d = 32 and 64 spilled

@@ -1,0 +1,2 @@
+"""Measurement: benchmarks, the cross-compiled survey of other GPUs and the recorded results.
+"""
