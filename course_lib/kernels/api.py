@@ -47,7 +47,6 @@ functions through the autograd Functions below, without the op dispatch.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -58,17 +57,10 @@ from course_lib.constants import MAX_HEAD_DIM, MIN_HEAD_DIM
 from course_lib.kernels import hopper, ops  # noqa: F401 (hopper: tools/sweep_forward.py reads api.hopper)
 from course_lib.kernels import plan as plans
 from course_lib.kernels.forward import attention_forward  # noqa: F401 (tools/sweep_forward.py reads it here)
-from course_lib.kernels.plan import as_4d  # made for the launch plans; teaching.py, ring.py import it from here
+from course_lib.kernels.inputs import (INTERPRETER_ONLY_DTYPES, KERNEL_DTYPES, MAX_ELEMENT_OFFSET,  # noqa: F401
+                                       _check_lengths, _dtype_names, _named_lengths, _validate_lengths, as_4d,
+                                       validate_offsets, validate_scale)
 from course_lib.attention.reference import default_scale
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INTERPRETER_ONLY_DTYPES = (torch.float64,)
-# Offsets inside the kernels are 32-bit integers: refuse tensors that span more elements.
-MAX_ELEMENT_OFFSET = 2**31 - 1
-
-
-def _dtype_names(dtypes) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def validate_inputs(q, k, v, causal, scale):
@@ -149,25 +141,6 @@ def _validate_inputs(q, k, v, causal, scale) -> None:
         raise TypeError(f"causal must be True or False, got {causal!r}")
     validate_scale(scale)
     validate_offsets(q=q, k=k, v=v)
-
-
-def validate_scale(scale) -> None:
-    """``scale`` is None or a finite real number (not a bool); else TypeError/ValueError."""
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-
-
-def validate_offsets(**tensors) -> None:
-    """Every element of each tensor is reachable with a 32-bit offset (the kernels' index type)."""
-    for name, x in tensors.items():
-        span = sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
-        if span > MAX_ELEMENT_OFFSET:
-            raise ValueError(f"{name} spans {span + 1} elements; the kernels use 32-bit offsets "
-                             f"(at most {MAX_ELEMENT_OFFSET + 1})")
 
 
 def _forward(q, k, v, causal: bool, scale: float, plan=None):
@@ -264,7 +237,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None, *
                                                                  block_mask), deterministic)[0]
         q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
         if not _differentiated(q, k, v):
-            return masked.masked_forward(q4, k4, v4, scale, plan)[0].reshape(q.shape)
+            return _masked_kernels_forward(q4, k4, v4, scale, plan)[0].reshape(q.shape)
         return MaskedAttentionFunction.apply(q4, k4, v4, scale, plan, deterministic).reshape(q.shape)
     plan = validate_inputs(q, k, v, causal, scale)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -353,31 +326,6 @@ def validate_gqa(q, k, v) -> None:
     return q
 
 
-def _named_lengths(seq_lens) -> list:
-    """``[(name, lengths)]`` of ``seq_lens``: one tensor for queries and keys, or a pair."""
-    if isinstance(seq_lens, (tuple, list)):
-        lens_q, lens_k = seq_lens
-        return [("seq_lens_q", lens_q), ("seq_lens_k", lens_k)]
-    return [("seq_lens", seq_lens)]
-
-
-def _check_lengths(name: str, lens, batch: int) -> None:
-    """Type and shape of per-sample lengths (no values read: torch.compile traces this)."""
-    if not isinstance(lens, torch.Tensor) or lens.is_floating_point() or lens.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor of shape (B,), got {type(lens).__name__} "
-                        f"{getattr(lens, 'dtype', '')}")
-    if lens.shape != (batch,):
-        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lens.shape)}")
-
-
-def _validate_lengths(name: str, lens, batch: int, n: int, device) -> torch.Tensor:
-    _check_lengths(name, lens, batch)
-    values = lens.tolist()  # checked on the host; lengths on the CPU are copied to q's device
-    if any(x < 0 or x > n for x in values):
-        raise ValueError(f"{name} must lie in [0, {n}] (the padded length), got {values}")
-    return lens.to(device=device, dtype=torch.int32).contiguous()
-
-
 def _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask):
     """The checks of a masked call that read no tensor values (torch.compile traces them; the
     lengths' values are checked where the plan is built), with the element rules a builder
@@ -442,8 +390,8 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
         block_m, block_n = masked.tile_sizes(d, q.dtype)
     scale = default_scale(d) if scale is None else float(scale)
     if seq_lens is not None:  # lengths are data: checked and planned on every call
-        return q4, k4, v4, scale, _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window,
-                                             seq_lens, block_mask)
+        return q4, k4, v4, scale, masked.mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window,
+                                                   seq_lens, block_mask)
     # Without lengths the plan depends on shapes and arguments only: keep it (in the block mask,
     # whose tensors are read-only by contract, or in a small module cache), so that repeated calls
     # build no tile lists and make no host-device copies.
@@ -453,8 +401,8 @@ def _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask):
     if plan is None:
         if len(cache) >= _PLAN_CACHE_SIZE:
             cache.pop(next(iter(cache)))
-        plan = cache[key] = _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, None,
-                                       block_mask)
+        plan = cache[key] = masked.mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, None,
+                                             block_mask)
     return q4, k4, v4, scale, plan
 
 
@@ -462,28 +410,29 @@ _PLAN_CACHE: dict = {}
 _PLAN_CACHE_SIZE = 64
 
 
-def _mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, seq_lens, block_mask):
-    """The :class:`~course_lib.kernels.masked.MaskPlan` of a checked call: the tile classes of the
-    band (causal, window, lengths) intersected with the block mask's, and the element rules."""
-    len_q = len_k = None
-    if seq_lens is not None:
-        named = _named_lengths(seq_lens)
-        (name_q, lq), (name_k, lk) = named[0], named[-1]
-        len_q = _validate_lengths(name_q, lq, batch, n_q, q.device)
-        len_k = _validate_lengths(name_k, lk, batch, n_k, q.device)
-    lo, hi = bm.window_band(window, n_q if len_q is None else len_q.long(),
-                            n_k if len_k is None else len_k.long(), causal)
-    classes = bm.band_tile_classes(n_q, n_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q, len_k=len_k,
-                                   device=q.device)
-    mask_kw = {}
-    if block_mask is not None:
-        classes = bm.combine_classes(block_mask.classes, classes)
-        mask_kw = dict(mask=block_mask.mask, document_ids=block_mask.document_ids)
-    return masked.MaskPlan(
-        block_mask=bm.BlockMask(classes, n_q, n_k, block_m, block_n, **mask_kw), causal=causal,
-        window=window, len_q=len_q, len_k=len_k,
-        start_q=None if len_q is None else torch.zeros_like(len_q),
-        start_k=None if len_k is None else torch.zeros_like(len_k))
+def _masked_kernels_forward(q4, k4, v4, scale: float, plan):
+    """``(o, lse)`` of the masked forward on ``(B, H, N, d)`` views: on Hopper the Gluon kernel of
+    :mod:`course_lib.kernels.gluon_masked` where it covers the inputs, else the Triton kernels
+    (:func:`course_lib.kernels.masked.masked_forward`)."""
+    if q4.is_cuda:
+        from course_lib.kernels import gluon_masked  # Gluon is experimental: imported on a GPU only
+
+        if gluon_masked.library_uses_gluon_masked(q4, k4, v4, plan):
+            return gluon_masked.masked_forward_gluon(q4, k4, v4, scale, plan)
+    return masked.masked_forward(q4, k4, v4, scale, plan)
+
+
+def _masked_kernels_backward(do, q4, k4, v4, o4, lse, scale: float, plan, deterministic: bool):
+    """``(dq, dk, dv)`` of the masked backward: unless ``deterministic``, on Hopper the Gluon one-pass
+    backward (:func:`course_lib.kernels.gluon_backward.masked_backward_gluon`, dQ by atomic adds) where
+    it covers the mask; else the two Triton kernels of :mod:`course_lib.kernels.masked`, bit-for-bit
+    reproducible."""
+    if not deterministic and q4.is_cuda:
+        from course_lib.kernels import gluon_backward  # Gluon is experimental: imported on a GPU only
+
+        if gluon_backward.library_uses_gluon_masked_backward(q4, k4, v4, o4, do, plan):
+            return gluon_backward.masked_backward_gluon(do, q4, k4, v4, o4, lse, scale, plan)
+    return masked.masked_backward(do, q4, k4, v4, o4, lse, scale, plan)
 
 
 class MaskedAttentionFunction(torch.autograd.Function):
@@ -491,7 +440,7 @@ class MaskedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q4, k4, v4, scale: float, plan, deterministic: bool = True):
-        o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+        o4, lse = _masked_kernels_forward(q4, k4, v4, scale, plan)
         ctx.save_for_backward(q4, k4, v4, o4, lse)
         ctx.scale, ctx.plan, ctx.deterministic = scale, plan, deterministic
         return o4
@@ -499,15 +448,15 @@ class MaskedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q4, k4, v4, o4, lse = ctx.saved_tensors
-        dq, dk, dv = masked.masked_backward(do, q4, k4, v4, o4, lse, ctx.scale, ctx.plan,
-                                            deterministic=ctx.deterministic)
+        dq, dk, dv = _masked_kernels_backward(do, q4, k4, v4, o4, lse, ctx.scale, ctx.plan,
+                                              deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 
 def _masked_forward(q, k, v, causal, scale, window, seq_lens, block_mask):
     """``(o, lse)`` of a masked call, shaped like the inputs: ``o`` ``(..., N_q, d)``, ``lse`` ``(..., N_q)``."""
     q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, window, seq_lens, block_mask)
-    o4, lse = masked.masked_forward(q4, k4, v4, scale, plan)
+    o4, lse = _masked_kernels_forward(q4, k4, v4, scale, plan)
     return o4.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
@@ -523,8 +472,8 @@ def _masked_backward_op(do, q, k, v, o, lse, causal, scale, *rest):
     """``course::masked_attention_backward``: the plan of the forward's arguments, rebuilt (from the
     API's caches, or from the lengths' values), then the masked backward kernels."""
     q4, k4, v4, scale, plan = _masked_call(q, k, v, causal, scale, *ops.mask_from_args(*rest[:-1]))
-    dq, dk, dv = masked.masked_backward(as_4d(do), q4, k4, v4, as_4d(o), lse.reshape(q4.shape[:-1]), scale, plan,
-                                        deterministic=rest[-1])
+    dq, dk, dv = _masked_kernels_backward(as_4d(do), q4, k4, v4, as_4d(o), lse.reshape(q4.shape[:-1]), scale,
+                                          plan, deterministic=rest[-1])
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
@@ -586,7 +535,7 @@ def _varlen_plan(q4, k4, values_q, values_k, max_seqlen_q, max_seqlen_k, causal,
         total = values_q[-1]
         ids = torch.repeat_interleave(torch.arange(len(lengths_q)), torch.tensor(lengths_q)).to(q4.device)
         documents = bm.document_block_mask(ids, block_m, block_n)
-        plan = _mask_plan(q4, 1, q4.shape[1], total, total, block_m, block_n, causal, window, None, documents)
+        plan = masked.mask_plan(q4, 1, q4.shape[1], total, total, block_m, block_n, causal, window, None, documents)
         if gluon_masked.library_uses_gluon_masked(q4, k4, k4, plan):
             _VARLEN_CACHE[key] = plan
             return plan
@@ -628,7 +577,7 @@ def _varlen_forward(q4, k4, v4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     ``lse`` ``(1, H, total_q)`` (``deterministic`` is for the backward op)."""
     window = None if window is None else tuple(window)  # the op passes a list; the plan cache wants a key
     plan = _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window)
-    return masked.masked_forward(q4, k4, v4, scale, plan)
+    return _masked_kernels_forward(q4, k4, v4, scale, plan)
 
 
 @ops.implementation("varlen_attention_backward")
@@ -637,7 +586,7 @@ def _varlen_backward_op(do, q4, k4, v4, o4, lse, cu_seqlens_q, cu_seqlens_k, max
     """``course::varlen_attention_backward``: the plan from the packing's cache, then the masked backward."""
     window = None if window is None else tuple(window)
     plan = _varlen_call(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window)
-    return masked.masked_backward(do, q4, k4, v4, o4, lse, scale, plan, deterministic=deterministic)
+    return _masked_kernels_backward(do, q4, k4, v4, o4, lse, scale, plan, deterministic=deterministic)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,

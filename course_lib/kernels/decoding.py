@@ -45,7 +45,7 @@ from course_lib import constants
 from course_lib.platform import runtime
 from course_lib.attention.decoding import num_splits_to_fill
 from course_lib.kernels import fit, ops, tiles, tuning
-from course_lib.kernels.api import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
+from course_lib.kernels.inputs import KERNEL_DTYPES, _dtype_names, validate_offsets, validate_scale
 from course_lib.kernels.forward import compute_dtype, kernel_dtypes, padded_head_dim
 from course_lib.kernels.tiles import LN_2, LOG2_E, MASK_VALUE
 from course_lib.attention.reference import default_scale

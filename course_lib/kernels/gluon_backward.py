@@ -615,8 +615,8 @@ def masked_backward_unsupported_reason(q, k, v, o, do, plan) -> str | None:
 
 
 def library_uses_gluon_masked_backward(q, k, v, o, do, plan) -> bool:
-    """Whether :func:`course_lib.kernels.masked.masked_backward` (non-deterministic) takes
-    :func:`masked_backward_gluon`: where the dense backward takes this file's kernel
+    """Whether the library's masked backward (non-deterministic, ``api._masked_kernels_backward``)
+    takes :func:`masked_backward_gluon`: where the dense backward takes this file's kernel
     (:func:`library_uses_gluon_backward`'s switches and head dims) and the masked Gluon forward
     covers the mask."""
     from course_lib.platform import runtime
@@ -680,7 +680,7 @@ def masked_backward_gluon(do, q, k, v, o, lse, scale: float, plan, config: dict 
             DOCS=rule_meta["DOCS"], DENSE_MASK=rule_meta["DENSE_MASK"], LOADER_REGS=cfg["LOADER_REGS"],
             num_warps=cfg["num_warps"])
     if launch.failed:  # this Triton cannot compile it (warned once): the Triton masked backward (Gluon is off now)
-        return masked.masked_backward(do, q, k, v, o, lse, scale, plan, deterministic=False)
+        return masked.masked_backward(do, q, k, v, o, lse, scale, plan)
     masked_backward_gluon.last_kernel = kernel
     return dq_acc.to(q.dtype), dk, dv
 

@@ -286,7 +286,7 @@ def masked_gluon_unsupported_reason(q, k, v, plan) -> str | None:
 
 
 def library_uses_gluon_masked(q, k, v, plan) -> bool:
-    """Whether :func:`course_lib.kernels.masked.masked_forward` takes this kernel: a Hopper GPU,
+    """Whether the library's masked forward (``api._masked_kernels_forward``) takes this kernel: a Hopper GPU,
     head dim in :data:`LIBRARY_HEAD_DIMS`, inputs it covers, ``COURSE_LIB_GLUON`` not 0 (the
     dense Gluon forward's switch, :func:`course_lib.kernels.tuning.gluon_enabled`)."""
     from course_lib.platform import runtime
@@ -380,7 +380,7 @@ def _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mas
     """Zero q and k (CPU) and the :class:`~course_lib.kernels.masked.MaskPlan` the library's API
     builds for one of the masks :func:`cross_compile` names (under a stand-in driver)."""
     from course_lib.attention import blockmask as bm
-    from course_lib.kernels import api
+    from course_lib.kernels import masked
 
     batch, heads, n, d = q_shape
     q = torch.zeros(q_shape, dtype=dtype)
@@ -395,9 +395,9 @@ def _cross_inputs(q_shape, kv_heads, dtype, causal, window, documents, dense_mas
         block_mask = bm.sliding_window_block_mask(n, n, window, TILE, TILE, causal=causal)
     else:
         block_mask = bm.causal_block_mask(n, n, TILE, TILE)
-    # the plan _masked_call would build, without its device check (a GPU session refuses CPU tensors)
-    plan = api._mask_plan(q, batch, heads, n, n, TILE, TILE, block_mask.causal, block_mask.window, None,
-                          block_mask)
+    # the plan the API's _masked_call would build, without its device check (a GPU session refuses CPU tensors)
+    plan = masked.mask_plan(q, batch, heads, n, n, TILE, TILE, block_mask.causal, block_mask.window, None,
+                            block_mask)
     return q, k, plan
 
 

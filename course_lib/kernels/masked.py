@@ -61,10 +61,12 @@ import triton
 import triton.language as tl
 
 from course_lib.platform import runtime
+from course_lib.attention import blockmask as bm
 from course_lib.attention.blockmask import UNBOUNDED, BlockMask
 from course_lib.kernels import fit, tiles, tuning
 from course_lib.kernels.backward import delta_launch, run_delta
 from course_lib.kernels.forward import LOG2_E_FLOAT, compute_dtype, kernel_dtypes, padded_head_dim
+from course_lib.kernels.inputs import _named_lengths, _validate_lengths
 from course_lib.kernels.tiles import LN_2, LOG2_E
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -526,6 +528,31 @@ class MaskPlan:
         return self.len_q is not None
 
 
+def mask_plan(q, batch, heads, n_q, n_k, block_m, block_n, causal, window, seq_lens, block_mask):
+    """The :class:`MaskPlan` of a call the API (:mod:`course_lib.kernels.api`) checked: the tile
+    classes of the band (causal, window, lengths) intersected with the block mask's, and the element
+    rules."""
+    len_q = len_k = None
+    if seq_lens is not None:
+        named = _named_lengths(seq_lens)
+        (name_q, lq), (name_k, lk) = named[0], named[-1]
+        len_q = _validate_lengths(name_q, lq, batch, n_q, q.device)
+        len_k = _validate_lengths(name_k, lk, batch, n_k, q.device)
+    lo, hi = bm.window_band(window, n_q if len_q is None else len_q.long(),
+                            n_k if len_k is None else len_k.long(), causal)
+    classes = bm.band_tile_classes(n_q, n_k, block_m, block_n, lo=lo, hi=hi, len_q=len_q, len_k=len_k,
+                                   device=q.device)
+    mask_kw = {}
+    if block_mask is not None:
+        classes = bm.combine_classes(block_mask.classes, classes)
+        mask_kw = dict(mask=block_mask.mask, document_ids=block_mask.document_ids)
+    return MaskPlan(
+        block_mask=bm.BlockMask(classes, n_q, n_k, block_m, block_n, **mask_kw), causal=causal,
+        window=window, len_q=len_q, len_k=len_k,
+        start_q=None if len_q is None else torch.zeros_like(len_q),
+        start_k=None if len_k is None else torch.zeros_like(len_k))
+
+
 def launch_blocks(head_dim: int, dtype: torch.dtype) -> dict[str, tuning.Blocks]:
     """The masked kernels' preferred configs, ``{"forward", "dq", "dkdv"}``: the dense kernels'
     (:func:`tuning.gpu_default`, long sequences), whose tiles were measured on an H100. Interpreter:
@@ -640,14 +667,10 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
     """Forward on ``(B, H, N_q, d)`` / ``(B, H_kv, N_k, d)`` views (packed: ``B = 1``).
 
     Returns ``(o, lse)``: ``o`` ``(B, H, N_q, d)`` in q's dtype, ``lse`` ``(B, H, N_q)`` float32
-    (float64 for float64), natural log, ``-inf`` for rows that see no key. On Hopper, covered
-    inputs (no ``blocks`` given) take the Gluon kernel of :mod:`course_lib.kernels.gluon_masked`.
+    (float64 for float64), natural log, ``-inf`` for rows that see no key. The Triton kernel only: on
+    Hopper the API takes the Gluon kernel of :mod:`course_lib.kernels.gluon_masked` where it covers
+    the inputs (``api._masked_kernels_forward``).
     """
-    if blocks is None and q.is_cuda:
-        from course_lib.kernels import gluon_masked  # Gluon is experimental: imported on a GPU only
-
-        if gluon_masked.library_uses_gluon_masked(q, k, v, plan):
-            return gluon_masked.masked_forward_gluon(q, k, v, scale, plan)
     work = compute_dtype(q.dtype, _rt.interpreted)
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     batch, heads, n_q, d = q.shape
@@ -676,18 +699,11 @@ def masked_forward(q, k, v, scale: float, plan: MaskPlan, blocks: tuning.Blocks 
 
 
 def masked_backward(do, q, k, v, o, lse, scale: float, plan: MaskPlan,
-                    dq_blocks: tuning.Blocks | None = None, dkdv_blocks: tuning.Blocks | None = None,
-                    deterministic: bool = True):
+                    dq_blocks: tuning.Blocks | None = None, dkdv_blocks: tuning.Blocks | None = None):
     """Gradients ``(dq, dk, dv)`` of :func:`masked_forward`, shaped like q, k, v (dk, dv summed over
-    each GQA group): this file's two kernels, bit-for-bit reproducible. ``deterministic=False`` (no
-    blocks given) lets a Hopper GPU take the Gluon one-pass backward
-    (:func:`course_lib.kernels.gluon_backward.masked_backward_gluon`, dQ by atomic adds) where it
-    covers the mask."""
-    if not deterministic and dq_blocks is None and dkdv_blocks is None and q.is_cuda:
-        from course_lib.kernels import gluon_backward  # Gluon is experimental: imported on a GPU only
-
-        if gluon_backward.library_uses_gluon_masked_backward(q, k, v, o, do, plan):
-            return gluon_backward.masked_backward_gluon(do, q, k, v, o, lse, scale, plan)
+    each GQA group): this file's two kernels, bit-for-bit reproducible. (On Hopper the API takes the
+    Gluon one-pass backward where it covers the mask and ``deterministic=False``:
+    ``api._masked_kernels_backward``.)"""
     work = compute_dtype(q.dtype, _rt.interpreted)
     dow, qw, kw, vw, ow = (x.to(work) for x in (do, q, k, v, o))
     batch, heads, n_q, d = q.shape

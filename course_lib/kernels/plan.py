@@ -36,6 +36,7 @@ import torch
 from course_lib.platform import runtime
 from course_lib.kernels import backward, forward, hopper, tuning
 from course_lib.kernels.launch import CachedLaunch
+from course_lib.kernels.inputs import as_4d  # noqa: F401 (plan.as_4d: its old home)
 
 # Triton specializes a pointer argument on whether it is a multiple of 16 bytes, and TMA
 # descriptors need it: a compiled kernel is only right for the alignment it was compiled for.
@@ -107,21 +108,6 @@ def plan_for(q, k, v, causal: bool, key: tuple | None = None) -> Plan:
 def clear() -> None:
     """Forget every plan (the next call of each signature makes its plan again)."""
     _PLANS.clear()
-
-
-def as_4d(x: torch.Tensor) -> torch.Tensor:
-    """View ``(..., N, d)`` as ``(B, H, N, d)``: add unit dims, or merge extra leading dims.
-
-    Adding dims never copies; merging more than two leading dims copies only when their strides
-    cannot be merged (``reshape``'s rule).
-    """
-    if x.dim() == 2:
-        return x[None, None]
-    if x.dim() == 3:
-        return x[None]
-    if x.dim() == 4:
-        return x
-    return x.reshape(-1, *x.shape[-3:])
 
 
 def _gluon_forward_module():

@@ -40,7 +40,7 @@ import triton.language as tl
 from course_lib import constants
 from course_lib.platform import runtime
 from course_lib.kernels import tiles
-from course_lib.kernels.api import as_4d
+from course_lib.kernels.inputs import as_4d
 from course_lib.kernels.forward import kernel_dtypes
 from course_lib.kernels.tiles import LOG2_E, MASK_VALUE, kv_loop_end
 from course_lib.attention.reference import default_scale
