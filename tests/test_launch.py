@@ -42,17 +42,16 @@ def test_descriptor_copies_keep_every_field_but_the_base():
 HANDLE_CHECK = """
 import torch
 from triton.runtime import driver
-from course_lib.measure import reach
-from course_lib.platform import runtime
+from course_lib.platform import runtime, stand_in
 runtime.use_stand_in_gpu("sm_90 (stand-in)")
-driver.set_active(reach.StandInDriver(90))
+driver.set_active(stand_in.StandInDriver(90))
 from course_lib.kernels import backward, forward, gluon_backward, gluon_hopper, hopper
 hopper.tma_unsupported_reason = lambda *tensors: None  # CPU tensors stand in for the GPU's (as reach does)
 
 calls = []
 def record(self, *args, **kwargs):
     calls.append(args)
-reach._Launcher.__call__ = record
+stand_in._Launcher.__call__ = record
 
 def described(args):
     out = []

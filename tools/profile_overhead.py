@@ -21,8 +21,8 @@ there the kernels' Python execution dominates). ``both`` (the default on CPU) do
 other. Prints one line per (launches, pass) with microseconds per call, then the leaders.
 
 ``--stand-in 90`` (CPU only) takes the GPU path without a GPU: kernels are compiled for that compute
-capability by :class:`course_lib.measure.reach.StandInDriver` and every launch does nothing, so what is
-timed is the host work of GPU mode with Triton's compiled-kernel launches (argument binding,
+capability by :class:`course_lib.platform.stand_in.StandInDriver` and every launch does nothing, so
+what is timed is the host work of GPU mode with Triton's compiled-kernel launches (argument binding,
 ``fit.choose``, launches by handle), on CPU tensors: the Hopper-only Gluon and TMA paths, which
 need CUDA tensors, are not taken.
 """

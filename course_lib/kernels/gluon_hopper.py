@@ -660,10 +660,10 @@ def library_uses_gluon(q, k, v) -> bool:
 
 
 def _compiling_only() -> bool:
-    """Whether the active Triton driver is :class:`course_lib.measure.reach.StandInDriver` (compile, never run)."""
+    """Whether the active Triton driver is :class:`course_lib.platform.stand_in.StandInDriver` (compile, never run)."""
     from triton.runtime import driver
 
-    from course_lib.measure.reach import StandInDriver
+    from course_lib.platform.stand_in import StandInDriver
 
     return isinstance(driver._active, StandInDriver)
 
@@ -840,7 +840,7 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
                   **switches):
     """Compile one variant for sm_90 on a machine without a GPU and return :func:`kernel_facts`.
 
-    Uses :class:`course_lib.measure.reach.StandInDriver` (a driver that compiles and "loads" but never
+    Uses :class:`course_lib.platform.stand_in.StandInDriver` (a driver that compiles and "loads" but never
     launches) on CPU tensors, and puts the real driver back afterwards. ``switches``: issue 35's
     ``rescale_tau``, ``exp2_emulated``, ``exp2_degree`` (:func:`attention_forward_gluon`)."""
     with stand_in_sm90():
@@ -852,12 +852,12 @@ def cross_compile(variant: str, head_dim: int = 128, dtype=torch.float16, causal
 @contextlib.contextmanager
 def stand_in_sm90():
     """Within it, kernels launched on CPU tensors are compiled for sm_90 and never run
-    (:class:`course_lib.measure.reach.StandInDriver`); the real driver is put back afterwards."""
+    (:class:`course_lib.platform.stand_in.StandInDriver`); the real driver is put back afterwards."""
     import os
 
     from triton.runtime import driver
 
-    from course_lib.measure.reach import StandInDriver
+    from course_lib.platform.stand_in import StandInDriver
 
     old_interpret = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"

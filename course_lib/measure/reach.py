@@ -1,10 +1,10 @@
 """Which launch config each kernel gets on GPUs we do not have: ``python -m course_lib.measure.reach``.
 
 Triton compiles for any NVIDIA GPU without one: the compiler only needs the target's compute
-capability. This module gives Triton a stand-in driver for a target (A100 = sm_80; A10 / RTX 3090
-= sm_86; L4 / RTX 4090 = sm_89; H100 = sm_90; Blackwell: B200 = sm_100, RTX 50xx / RTX PRO 6000 /
-Colab's G4 = sm_120, compiled by the Blackwell ``ptxas`` Triton 3.7+ bundles for arch >= 100), calls
-the library's real launchers on CPU tensors,
+capability. This module gives Triton the stand-in driver of :mod:`course_lib.platform.stand_in` for
+a target (A100 = sm_80; A10 / RTX 3090 = sm_86; L4 / RTX 4090 = sm_89; H100 = sm_90; Blackwell: B200
+= sm_100, RTX 50xx / RTX PRO 6000 / Colab's G4 = sm_120, compiled by the Blackwell ``ptxas`` Triton
+3.7+ bundles for arch >= 100), calls the library's real launchers on CPU tensors,
 and lets :func:`course_lib.kernels.fit.choose` pick each config exactly as it does on a real GPU:
 compile, "load" (the stand-in reports the target's shared-memory limit, and the registers and
 spills that the bundled ``cuobjdump`` reads from the compiled binary), keep the first candidate
@@ -30,11 +30,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from course_lib.platform.hardware import COMPUTE_TARGETS
+from course_lib.platform.stand_in import StandInDriver, resource_usage
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -44,84 +44,6 @@ FAMILIES = ("attention", "decode", "masked")
 SEQ_LENS = {"short": 1024, "long": 16384}  # the tables pick by sequence length (tuning.py)
 DECODE_CACHE_LEN = 16384
 DECODE_HEADS = (8, 2)  # query heads, K/V heads: a GQA group of 4, so the grouped kernel runs too
-
-
-# ----------------------------------------------------------------------------------------------
-# The stand-in driver (used in a child process, one per target)
-
-
-def _bundled_tool(name: str) -> str:
-    import triton
-
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
-
-
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, local-memory bytes per thread) of a compiled kernel, read by the
-    ``cuobjdump`` that ships with Triton. Local memory here is what spilled registers use: the
-    driver reports the same number as ``CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES``."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        out = subprocess.run([_bundled_tool("cuobjdump"), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    if found is None:
-        raise RuntimeError(f"cuobjdump printed no resource usage:\n{out}")
-    return int(found.group(1)), int(found.group(2))
-
-
-class _Launcher:
-    """Stands in for Triton's kernel launcher: launching does nothing."""
-
-    def __init__(self, src, metadata):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return None
-
-
-class _Utils:
-    def __init__(self, max_shared: int):
-        self.max_shared = max_shared
-
-    def get_device_properties(self, device):
-        return {"max_shared_mem": self.max_shared, "multiprocessor_count": 132, "max_num_regs": 65536,
-                "warpSize": 32}
-
-    def load_binary(self, name, cubin, shared, device):
-        registers, local_bytes = resource_usage(cubin)
-        return None, None, registers, local_bytes // 4, 1024  # n_spills in 4-byte words, as the driver
-
-
-class StandInDriver:
-    """Enough of Triton's CUDA driver for compiling and "loading" kernels for ``target``."""
-
-    def __init__(self, arch: int):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("cuda", arch, 32)
-        self.utils = _Utils(COMPUTE_TARGETS[arch].max_shared_bytes_per_block)
-        self.launcher_cls = _Launcher
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def is_active(self):
-        return True
-
-    def get_active_torch_device(self):
-        import torch
-
-        return torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------
