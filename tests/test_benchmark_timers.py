@@ -43,7 +43,7 @@ TIMING_CALLS = {
     # showing recorded timings
     "course_lib.measure.bench's tables, ratios and plots": r"\bbench\.(one_pass_table|format_table|format_overhead|ratios"
                                                    r"|overhead_ratios|plot)\(",
-    "decoding's recorded benchmark": r"\bdecoding\.format_recorded_bench\(",
+    "decoding's recorded benchmark": r"\bdecoding_results\.format_recorded_bench\(",
     "hopper_results' timings": r"\bhopper_results\.(format_ablation|plot_ablation|ablation|tflops|best_config"
                                r"|two_stage_gain|pipeline_depth|ratio_summary|fp8_speedup|cells|gluon_table"
                                r"|gluon_plot|gluon_rows|gluon_tflops|gluon_backward_table|gluon_backward_rows)\(",
@@ -69,7 +69,7 @@ TIMER_PHRASES = (
 # Library calls whose output names the timer of what they show; each one is checked below.
 STATES_TIMER = (
     "bench.notebook_cell", "bench.overhead_cell", "bench.provenance", "bench.timer_note", "bench.one_pass_table",
-    "decoding.format_recorded_bench",
+    "decoding_results.format_recorded_bench",
     "hopper_results.provenance", "hopper_results.gluon_table", "hopper_results.gluon_backward_table",
     "hopper_results.plot_ablation", "hopper_results.gluon_plot",
     "mask_results.status", "mask_results.plot_density",
@@ -232,8 +232,7 @@ def _witnesses() -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
-    from course_lib.measure import bench, hopper_results, mask_results, model_bench, ring_results
-    from course_lib.attention import decoding
+    from course_lib.measure import bench, decoding_results, hopper_results, mask_results, model_bench, ring_results
 
     def bench_provenance(capsys):
         return "\n".join(bench.provenance(_recorded_or_skip(bench.load_recorded("h100", timer), f"the {timer} grid"))
@@ -254,7 +253,8 @@ def _witnesses() -> dict:
         "bench.provenance": bench_provenance,
         "bench.timer_note": lambda capsys: "\n".join(bench.timer_note({"timer": t}) for t in bench.TIMERS),
         "bench.one_pass_table": lambda capsys: bench.one_pass_table(),
-        "decoding.format_recorded_bench": lambda capsys: decoding.format_recorded_bench(decoding.load_recorded_bench()),
+        "decoding_results.format_recorded_bench": lambda capsys: decoding_results.format_recorded_bench(
+            decoding_results.load_recorded_bench()),
         "hopper_results.provenance": lambda capsys: hopper_results.provenance(fa3()),
         "hopper_results.gluon_table": lambda capsys: hopper_results.gluon_table(gluon()),
         "hopper_results.gluon_backward_table": lambda capsys: hopper_results.gluon_backward_table(

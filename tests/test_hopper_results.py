@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.measure import bench, hopper_results as hr
-from course_lib.attention import decoding
+from course_lib.measure import bench, decoding_results, hopper_results as hr
 
 pytestmark = [pytest.mark.ch09]
 
@@ -67,8 +66,8 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_recorded_decoding_bench_table():
-    data = decoding.load_recorded_bench()
-    text = decoding.format_recorded_bench(data)
+    data = decoding_results.load_recorded_bench()
+    text = decoding_results.format_recorded_bench(data)
     assert "H100" in text and "copy ceiling" in text
     assert len(text.splitlines()) == 3 + len(data["results"])
     long = [r for r in data["results"] if r["seq_len"] >= 65536]

@@ -17,15 +17,12 @@ is the empty state ``m = -inf, l = 0, o = 0`` (the policy of :mod:`course_lib.at
 
 from __future__ import annotations
 
-import json
 from functools import reduce
-from pathlib import Path
 from numbers import Integral
 
 import numpy as np
 
 from course_lib.attention import costmodel
-from course_lib.measure.bench import timer_note
 from course_lib.attention.gqa import check_gqa_inputs, group_queries, repeat_kv
 from course_lib.attention.iomodel import num_blocks
 from course_lib.attention.iomodel import validate_block_size as _positive_int
@@ -207,34 +204,3 @@ def decode_attention_reference(q, k, v, scale: float | None = None):
     s = scale * (q.astype(np.float64)[..., None, :] @ np.swapaxes(k64, -1, -2))  # (..., H, 1, N)
     m, l, o = softmax_state(s, v64)
     return o[..., 0, :].astype(q.dtype), state_lse(m, l)[..., 0]
-
-
-
-
-# ----------------------------------------------------------------------------------------------
-# The recorded H100 benchmark of the Triton flash-decoding kernels (tools/bench_decoding.py)
-
-RECORDED_BENCH = Path(__file__).resolve().parent.parent / "data" / "benchmarks" / "h100_decoding.json"
-# tools/bench_decoding.py times with triton.testing.do_bench; its file names no timer.
-RECORDED_BENCH_TIMER = "events"
-
-
-def load_recorded_bench(path: Path | str = RECORDED_BENCH) -> dict:
-    """The results of ``python tools/bench_decoding.py`` on an H100 (with their provenance)."""
-    return json.loads(Path(path).read_text())
-
-
-def format_recorded_bench(data: dict) -> str:
-    """A table: per (batch, cache length), time and bandwidth as a fraction of the measured copy
-    ceiling, for ``flash_decode_triton`` and SDPA; the second line names the timer."""
-    p = data["provenance"]
-    lines = [f"{p['gpu']}, torch {p['torch']}, triton {p['triton']}, {p['date'][:10]}; {data['what']}",
-             f"copy ceiling {data['copy_ceiling_bytes_per_s'] / 1e12:.2f} TB/s; "
-             f"{data['shape']['heads']} query heads, {data['shape']['kv_heads']} K/V heads, "
-             f"d={data['shape']['head_dim']}; {timer_note(p, RECORDED_BENCH_TIMER)}",
-             f"{'batch':>5} {'N':>7} {'splits':>6} | {'triton ms':>9} {'of copy':>7} | {'sdpa ms':>8} {'of copy':>7}"]
-    for r in data["results"]:
-        t, s = r["triton"], r["sdpa"]
-        lines.append(f"{r['batch']:>5} {r['seq_len']:>7} {r['splits']:>6} | {t['ms']:>9.3f} "
-                     f"{t['fraction_of_copy_ceiling']:>7.0%} | {s['ms']:>8.3f} {s['fraction_of_copy_ceiling']:>7.0%}")
-    return "\n".join(lines)
