@@ -76,7 +76,6 @@ except ImportError as err:  # the course pins transformers; a bare install of co
     raise ImportError("course_lib.integrations.hf needs Hugging Face transformers: "
                       "pip install transformers (pyproject.toml pins the tested version)") from err
 
-import course_lib
 from course_lib.attention.reference import default_scale
 
 __all__ = ["DEFAULT_NAME", "register", "attention_forward", "padding_mask"]
@@ -234,11 +233,13 @@ def _library_attend(q, k, v, causal: bool, left, scale: float) -> torch.Tensor:
         from course_lib.kernels import decoding as kdec
 
         return kdec.flash_decode_triton(q, k, v, scale=scale)[0]
+    from course_lib.kernels import api  # decorates the kernels on first use only
+
     if left is None and (not causal or n_q == n_k):
-        return course_lib.flash_attention(q, k, v, causal=causal, scale=scale)
+        return api.flash_attention(q, k, v, causal=causal, scale=scale)
     # FlashAttention-2's window is aligned to the bottom-right corner: (left, 0) is causal (left = -1:
     # unbounded) for queries that are the last N_q of the N_k positions.
-    return course_lib.flash_attention(q, k, v, scale=scale, window=(-1 if left is None else left, 0))
+    return api.flash_attention(q, k, v, scale=scale, window=(-1 if left is None else left, 0))
 
 
 def _learner_attend(attention, q, k, v, causal: bool, left, scale: float) -> torch.Tensor:
@@ -311,9 +312,11 @@ def _attend_padded(attention, q, k, v, mask: torch.Tensor, causal: bool, left, s
     if idx_q.numel() == 0:  # every query is padding
         return q.new_zeros((batch, n_q, q.shape[1], v.shape[-1]))
     if attention is None:
+        from course_lib.kernels import api  # decorates the kernels on first use only
+
         lens_q, lens_k = host_q.sum(1, dtype=torch.int32), host.sum(1, dtype=torch.int32)
         cu_q, cu_k = (torch.nn.functional.pad(x.cumsum(0, dtype=torch.int32), (1, 0)) for x in (lens_q, lens_k))
-        o = course_lib.flash_attention_varlen(
+        o = api.flash_attention_varlen(
             _gather(q, idx_q), _gather(k, idx_k), _gather(v, idx_k), cu_q, cu_k, int(lens_q.max()),
             max(int(lens_k.max()), 1), causal=causal, scale=scale, window=None if left is None else (left, 0))
         return _scatter(o, idx_q, batch, n_q)
