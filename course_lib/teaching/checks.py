@@ -76,6 +76,11 @@ OUTPUT_EXCERPT_LINES = 6
 OUTPUT_EXCERPT_LINE_CHARS = 120
 
 
+class Diagnosed(Exception):
+    """Raised by a check's runner that has recognised what went wrong; the message is the whole
+    diagnosis (exercise 7.6's autograd glue). The grader's channel rebuilds it as itself."""
+
+
 class ExerciseFailed(AssertionError):
     """A learner's answer is wrong; the message is the diagnosis. ``evidence``: the lines of the
     differential diagnosis and the other failing cases, when :func:`check_function` raised it."""

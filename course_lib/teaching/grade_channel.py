@@ -519,7 +519,7 @@ def describe_exception(exc: BaseException) -> list[dict]:
 # Exceptions of the course whose type a check tests (isinstance), rebuilt as themselves.
 _COURSE_EXCEPTIONS = {("course_lib.teaching.kernel_checks", "MemoryViolation"),
                       ("course_lib.teaching.kernel_checks", "KernelProblem"),
-                      ("course_lib.teaching.exercises.ch07", "_Diagnosed")}  # 7.6's named glue mistakes
+                      ("course_lib.teaching.checks", "Diagnosed")}  # 7.6's named glue mistakes
 _learner_types: dict[str, type] = {}
 
 

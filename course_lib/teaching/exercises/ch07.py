@@ -44,6 +44,7 @@ import warnings
 import numpy as np
 
 from course_lib.teaching.checks import learner_check
+from course_lib.teaching.checks import Diagnosed as _Diagnosed  # the runners' named causes (7.6)
 from course_lib.teaching import checks, grade_channel
 from course_lib.platform import runtime
 from course_lib.attention import tiled_backward as tb
@@ -1081,10 +1082,6 @@ def _kernel_tolerance():
 # ----------------------------------------------------------------------------------------------
 # Exercise 7.6: a torch.autograd.Function around the forward kernel and the learner's kernels
 # ----------------------------------------------------------------------------------------------
-
-class _Diagnosed(Exception):
-    """Raised by a runner that has recognised what went wrong; the message is the diagnosis."""
-
 
 NO_SAVED_TENSORS = ("no saved tensors found — save them with ctx.save_for_backward(q, k, v, o, "
                     "lse) in forward, and read them back with ctx.saved_tensors in backward")
