@@ -520,7 +520,7 @@ def test_answers_used_through_library_functions_are_graded_outside_the_notebook(
 def test_a_record_of_the_work_comes_back_as_data_and_is_judged_in_the_grader(shared_run):
     """7.4 (as 4.4 and 4.5): the check judges which rows of q the backward multiplies with which
     rows of k, recorded by watched arrays where the function runs (the notebook's process, through
-    ``ch04.watched_call`` sent by name) and sent back as data. Graded in the grader, with exactly
+    ``read_watch.watched_call`` sent by name) and sent back as data. Graded in the grader, with exactly
     the message each learner's own check cell showed: alice passes, bob's backward that computes
     the tiles the causal mask hides is wrong. (A record forged in the notebook's process:
     test_a_record_of_loads_is_judged_in_the_grader_and_a_forged_one_is_refused.)"""
@@ -726,7 +726,7 @@ def _judged(check, *answers):
 @pytest.mark.ch04
 def test_a_record_of_loads_is_judged_in_the_grader_and_a_forged_one_is_refused(tmp_path):
     """4.4 (as 4.5 and 7.4): the learner's function runs in the notebook's process on watched
-    arrays (``ch04.watched_call``, sent by name) and the record of its loads comes back as data,
+    arrays (``read_watch.watched_call``, sent by name) and the record of its loads comes back as data,
     judged in the grader: a forward that loads the tiles right of the diagonal gets exactly the
     check cell's diagnosis. A record the notebook's process forges in its place is refused: one
     that leaves out a load the right numbers need, and one that is not a record at all."""

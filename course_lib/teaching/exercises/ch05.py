@@ -18,9 +18,8 @@ import torch
 from course_lib.kernels import primer
 from course_lib.platform import runtime
 from course_lib.teaching.checks import Case, learner_check
-# the layout harness lives in kernel_checks (chapters 05 and 06 use it; ch06 reaches it as ch05.*)
-from course_lib.teaching.kernel_checks import (Layout, LayoutCase, LayoutRun, Out,  # noqa: F401
-                                               _quietly, check_layout_kernel, place)
+# the layout harness is check machinery (kernel_checks); chapter 06 uses it too
+from course_lib.teaching.kernel_checks import Layout, LayoutCase, LayoutRun, Out, check_layout_kernel
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 5.1: add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE)

@@ -32,7 +32,6 @@ from course_lib.teaching import checks, grade_channel
 from course_lib.platform import runtime
 from course_lib.teaching.checks import TOLERANCES, Case, ExerciseFailed, describe_value
 from course_lib.teaching import kernel_checks
-from course_lib.teaching.exercises import ch05
 from course_lib.attention.reference import default_scale, naive_attention_torch
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before the first @triton.jit
@@ -64,10 +63,10 @@ def reference(q, k, v, causal: bool = False, scale: float | None = None):
 # of different widths per tensor, room past the end.
 ROW_MARGIN = CHECK_BLOCK
 COL_MARGIN = 8
-HEADS_INTERLEAVED = ch05.Layout((1, 0, 2), (0, 1, COL_MARGIN))
-ROWS_WITH_GAPS = ch05.Layout((0, 1, 2), (0, ROW_MARGIN, 3))
-SPARE_HEAD = ch05.Layout((0, 1, 2), (1, 0, 5))
-LSE_LAYOUT = ch05.Layout((0, 1), (1, 0))  # LSE is contiguous (the kernel's contract)
+HEADS_INTERLEAVED = kernel_checks.Layout((1, 0, 2), (0, 1, COL_MARGIN))
+ROWS_WITH_GAPS = kernel_checks.Layout((0, 1, 2), (0, ROW_MARGIN, 3))
+SPARE_HEAD = kernel_checks.Layout((0, 1, 2), (1, 0, 5))
+LSE_LAYOUT = kernel_checks.Layout((0, 1), (1, 0))  # LSE is contiguous (the kernel's contract)
 # (q, k, v, o, lse): every tensor with its own strides
 PIECES_LAYOUTS = (HEADS_INTERLEAVED, ROWS_WITH_GAPS, SPARE_HEAD, ROWS_WITH_GAPS, LSE_LAYOUT)
 PIECES_LAYOUTS_2 = (ROWS_WITH_GAPS, HEADS_INTERLEAVED, ROWS_WITH_GAPS, SPARE_HEAD, LSE_LAYOUT)
@@ -89,18 +88,18 @@ def _q_tile_of(index, block_m=CHECK_BLOCK, **_) -> str:
             f"{row // block_m * block_m}–{row // block_m * block_m + block_m - 1}, BLOCK_M={block_m})")
 
 
-def _layout_run(launch) -> ch05.LayoutRun:
+def _layout_run(launch) -> kernel_checks.LayoutRun:
     """A guarded run of ``launch(q, k, v, o, lse, causal=, scale=, block_m=, block_n=)``:
     ``run(q, k, v, causal=, scale=, block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d)
     tensors."""
-    return ch05.LayoutRun(
+    return kernel_checks.LayoutRun(
         launch=launch, names=("q", "k", "v"),
-        outputs=(ch05.Out("o", lambda q, k, v, **_: (tuple(q.shape), q.dtype), _q_tile_of),
-                 ch05.Out("lse", lambda q, k, v, **_: (tuple(q.shape[:2]), torch.float32),
-                          _q_tile_of)))
+        outputs=(kernel_checks.Out("o", lambda q, k, v, **_: (tuple(q.shape), q.dtype), _q_tile_of),
+                 kernel_checks.Out("lse", lambda q, k, v, **_: (tuple(q.shape[:2]), torch.float32),
+                                   _q_tile_of)))
 
 
-def runner(pieces: Pieces) -> ch05.LayoutRun:
+def runner(pieces: Pieces) -> kernel_checks.LayoutRun:
     """A guarded run of the teaching kernel with ``pieces``: ``run(q, k, v, causal=, scale=,
     block_m=, block_n=, layouts=(q, k, v, o, lse))`` on (BH, N, d) tensors."""
     return _layout_run(functools.partial(_launch_3d, pieces))
@@ -114,7 +113,7 @@ def launch_answer(answer: tuple, make_pieces, q, k, v, o, lse, causal: bool, sca
     _launch_3d(make_pieces(*answer), q, k, v, o, lse, causal, scale, block_m, block_n)
 
 
-def answer_runner(answer: tuple, make_pieces) -> ch05.LayoutRun:
+def answer_runner(answer: tuple, make_pieces) -> kernel_checks.LayoutRun:
     """As :func:`runner`, with the learner's ``answer`` (their helpers) put into the kernel by
     ``make_pieces`` wherever the helpers are (:func:`launch_answer`)."""
     return _layout_run(functools.partial(grade_channel.run_with, answer, launch_answer,
@@ -138,8 +137,8 @@ def _cases(device, specs, seed):
         label = (f"{'causal' if causal else 'non-causal'}, BH={bh}, N_q={n_q}, N_k={n_k}, d={d}, "
                  f"{str(dtype).replace('torch.', '')}, scale={scale:.3g}, BLOCK_M={bm}, "
                  f"BLOCK_N={bn}" + (f", scores ×{factor:g}" if factor != 1 else ""))
-        cases.append(ch05.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
-                                                 "block_n": bn, "layouts": layouts}, label=label))
+        cases.append(kernel_checks.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
+                                                          "block_n": bn, "layouts": layouts}, label=label))
     return cases
 
 
@@ -160,14 +159,14 @@ def _replay_pieces(make_pieces, wrong):
     def mistaken(q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK,
                  layouts=None):
         run = runner(make_pieces(*wrong))
-        return ch05._quietly(run, q, k, v, causal=causal, scale=scale, block_m=block_m,
-                             block_n=block_n, layouts=layouts)
+        return kernel_checks._quietly(run, q, k, v, causal=causal, scale=scale, block_m=block_m,
+                                      block_n=block_n, layouts=layouts)
     return mistaken
 
 
 def _check(exercise, answer, fallback, make_pieces, specs, seed, mistakes):
     """Check the learner's pieces in the teaching kernel; mistakes replay known-wrong pieces."""
-    return ch05.check_layout_kernel(
+    return kernel_checks.check_layout_kernel(
         exercise, answer, answer_runner(answer, make_pieces), _pieces_reference,
         _cases(_rt.device, specs, seed),
         fallback=fallback, names=("q", "k", "v", "o", "lse"),
@@ -552,9 +551,9 @@ def check_exp2(update, finish):
 # Layouts of the guarded (B, H, N, d) inputs, one per tensor: (B, N, H, d) memory seen as
 # (B, H, N, d) (heads interleaved with rows), a column stride != 1 ((B, H, d, N) memory), a spare
 # head after each batch's heads and gaps between rows.
-BNHD = ch05.Layout((0, 2, 1, 3), (0, 0, 1, 4))
-COLUMNS_STRIDED = ch05.Layout((0, 1, 3, 2), (0, 1, 0, 3))
-SPARE_HEAD_4D = ch05.Layout((0, 1, 2, 3), (1, 1, CHECK_BLOCK, COL_MARGIN))
+BNHD = kernel_checks.Layout((0, 2, 1, 3), (0, 0, 1, 4))
+COLUMNS_STRIDED = kernel_checks.Layout((0, 1, 3, 2), (0, 1, 0, 3))
+SPARE_HEAD_4D = kernel_checks.Layout((0, 1, 2, 3), (1, 1, CHECK_BLOCK, COL_MARGIN))
 
 
 def library_forward(q, k, v, causal: bool = False, scale: float | None = None,
@@ -696,7 +695,7 @@ class ForwardRun:
 
     def launch(self, q, k, v, causal, scale, block_m, block_n, layouts, fill):
         layouts = tuple(layouts or ()) + (None,) * 3
-        placed = [ch05.place(x, lay, fill) for x, lay in zip((q, k, v), layouts)]
+        placed = [kernel_checks.place(x, lay, fill) for x, lay in zip((q, k, v), layouts)]
         views = [view for view, _ in placed]
         pristine = [buffer.clone() for _, buffer in placed]
         kwargs = {"block_m": block_m, "block_n": block_n}
@@ -777,7 +776,7 @@ def _replay(pieces=LIBRARY_PIECES, flat_heads=False):
     def wrong(q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK,
               layouts=None):
         layouts = tuple(layouts or ()) + (None,) * 3
-        views = [ch05.place(x, lay, 0.0)[0] for x, lay in zip((q, k, v), layouts)]
+        views = [kernel_checks.place(x, lay, 0.0)[0] for x, lay in zip((q, k, v), layouts)]
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         seen = [*views, o]
@@ -886,8 +885,8 @@ def _forward_cases(device):
                  + (f", scores ×{factor:g}" if factor != 1 else "")
                  + f"; strides q {layouts[0].strides(q.shape)}, k {layouts[1].strides(k.shape)}, "
                    f"v {layouts[2].strides(v.shape)}")
-        cases.append(ch05.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
-                                                 "block_n": bn, "layouts": layouts}, label=label))
+        cases.append(kernel_checks.LayoutCase((q, k, v), {"causal": causal, "scale": scale, "block_m": bm,
+                                                          "block_n": bn, "layouts": layouts}, label=label))
     return cases
 
 
@@ -898,7 +897,7 @@ def check_forward_kernel(launcher):
     ``launcher(q, k, v, causal=False, scale=None, block_m=..., block_n=...)`` on (B, H, N, d)
     tensors returns ``(o, lse)``; the check runs it with 16- and 32-row tiles.
     """
-    return ch05.check_layout_kernel(
+    return kernel_checks.check_layout_kernel(
         "Exercise 6.5", launcher, forward_runner(launcher), _forward_reference,
         _forward_cases(_rt.device), fallback=library_forward, mistakes=FORWARD_MISTAKES,
         names=("q", "k", "v"), locate=_forward_row_of, output_names=("o", "lse"))

@@ -670,15 +670,15 @@ def check_flash_backward(fn):
     block_m, block_n) -> (dq, dk, dv)`` (one head, 2-D arrays); returns the function to use
     (the library's :func:`course_lib.attention.tiled_backward.flash_attention_numpy_backward` when not
     done yet)."""
-    from course_lib.teaching.exercises import ch04  # the watched arrays that count what is computed
+    from course_lib.teaching import read_watch  # the watched arrays that count what is computed
 
     exercise, cases, logs = "Exercise 7.4", backward_cases(), []
 
     def watched(q, k, v, o, lse, do, causal, scale, block_m, block_n):
         logs.append(None)
-        out, record = grade_channel.run_with(fn, ch04.watched_call, ("q", "k"), q, k, v, o, lse,
-                                             do, causal, scale, block_m, block_n)
-        logs[-1] = ch04._LoadLog.from_data(record, {"q": q.shape, "k": k.shape})
+        out, record = grade_channel.run_with(fn, read_watch.watched_call, ("q", "k"), q, k, v, o,
+                                             lse, do, causal, scale, block_m, block_n)
+        logs[-1] = read_watch.LoadLog.from_data(record, {"q": q.shape, "k": k.shape})
         return out
 
     chosen = _check_gradients(exercise, watched, _reference_backward, cases,
@@ -689,7 +689,7 @@ def check_flash_backward(fn):
         return checks.not_done(exercise, chosen)
     for n, (case, log) in enumerate(zip(cases, logs), 1):
         hidden = hidden_tiles_computed(log, case)
-        problem = hidden or ch04.missing_loads(log, case.args[0].shape[-2], bool(case.args[6]))
+        problem = hidden or read_watch.missing_loads(log, case.args[0].shape[-2], bool(case.args[6]))
         if problem:
             what = "hidden tiles computed" if hidden else "a record of its loads that leaves some out"
             raise checks.failed_with(exercise, "\n".join(
@@ -704,9 +704,9 @@ def hidden_tiles_computed(log, case: Case) -> list[str]:
     """Lines saying which operation of the learner's backward multiplied rows of q with rows of
     k that the causal mask hides from each other entirely (a (Q tile, K/V tile) pair the
     algorithm skips), or [] when none did. ``log``: the q and k touches of one call
-    (:func:`course_lib.teaching.exercises.ch04._watch`)."""
+    (:func:`course_lib.teaching.read_watch.watch`)."""
     from course_lib.attention import iomodel
-    from course_lib.teaching.exercises import ch04
+    from course_lib.teaching import read_watch
 
     q, k = case.args[0], case.args[1]
     causal, block_m, block_n = case.args[6], case.args[8], case.args[9]
@@ -726,7 +726,7 @@ def hidden_tiles_computed(log, case: Case) -> list[str]:
         hidden = [(i, j) for i in q_tiles for j in k_tiles if skip[i, j]]
         if hidden:
             i, j = hidden[0]
-            return [f"  {ch04._line_text(rows['q'].where)} multiplies rows "
+            return [f"  {read_watch.line_text(rows['q'].where)} multiplies rows "
                     f"{rows['q'].rows[0]}–{rows['q'].rows[-1]} of q with keys "
                     f"{rows['k'].rows[0]}–{rows['k'].rows[-1]} of k: that includes Q tile {i} × "
                     f"K/V tile {j}, which the causal mask hides entirely (its first key "
