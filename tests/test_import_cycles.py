@@ -201,6 +201,14 @@ def test_at_most_ten_modules_at_the_top():
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
 
 
+def test_architecture_draws_every_layer():
+    """ARCHITECTURE.md's picture names each layer's folder (or module) as the test knows it."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for name, prefixes in LAYERS[:-1]:
+        spelled = prefixes[0].split(".")[-1]
+        assert f"{spelled}/" in text or f"{spelled}.py" in text, name
+
+
 def test_the_library_uses_no_old_module_path():
     """The old paths are for notebooks saved before the layout; inside course_lib only the new ones."""
     old = {o for o in moved_names()}
