@@ -375,8 +375,8 @@ def test_recorded_overhead_file():
     H100): readable, and it holds issue 33's cell for course and SDPA's FlashAttention-2."""
     data = bench.load_overhead("h100")
     if data is None:
-        pytest.skip(f"not recorded yet: {bench.overhead_path('h100')} (run python -m course_lib.measure.bench --overhead "
-                    "on the H100)")
+        pytest.skip(f"not recorded yet: {bench.overhead_path('h100')} (run python -m course_lib.measure.bench "
+                    "--overhead on the H100)")
     for impl in ("course", "sdpa_flash"):
         for pass_ in bench.PASSES:
             assert any(r["impl"] == impl and r["pass"] == pass_ and (r["dtype"], r["d"], r["N"], r["causal"])

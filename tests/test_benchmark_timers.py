@@ -37,12 +37,12 @@ TIMING_CALLS = {
     "a host clock (time.perf_counter, time.time, time.monotonic)": r"\btime\.(perf_counter|time|monotonic)(_ns)?\(",
     "torch.cuda.Event": r"\bcuda\.Event\(",
     "timeit": r"\btimeit\b",
-    "course_lib.measure.bench's timers and grid": r"\bbench\.(notebook_cell|overhead_cell|run_grid|run_overhead|measure\w*"
-                                         r"|time_eager\w*|_time_ms)\(",
+    "course_lib.measure.bench's timers and grid": r"\bbench\.(notebook_cell|overhead_cell|run_grid|run_overhead"
+                                                  r"|measure\w*|time_eager\w*|_time_ms)\(",
     "model_bench's training timer": r"\bmodel_bench\.(measure_grid|measure_training)\(",
     # showing recorded timings
-    "course_lib.measure.bench's tables, ratios and plots": r"\bbench\.(one_pass_table|format_table|format_overhead|ratios"
-                                                   r"|overhead_ratios|plot)\(",
+    "course_lib.measure.bench's tables, ratios and plots": r"\bbench\.(one_pass_table|format_table|format_overhead"
+                                                           r"|ratios|overhead_ratios|plot)\(",
     "decoding's recorded benchmark": r"\bdecoding_results\.format_recorded_bench\(",
     "hopper_results' timings": r"\bhopper_results\.(format_ablation|plot_ablation|ablation|tflops|best_config"
                                r"|two_stage_gain|pipeline_depth|ratio_summary|fp8_speedup|cells|gluon_table"

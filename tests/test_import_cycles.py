@@ -70,7 +70,8 @@ def imports(name: str, path: Path, known, package: str) -> set[str]:
             for alias in node.names:
                 sub = f"{module}.{alias.name}"
                 targets.add(sub if sub in known else module)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr",
+                                                    getattr(node.func, "id", None)) == "import_module":
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 targets.add(arg.value)

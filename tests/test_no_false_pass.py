@@ -25,7 +25,8 @@ from course_lib.teaching.checks import ExerciseFailed
 import test_without_triton as without_triton_module
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = sorted(p.stem for p in (Path(__file__).parents[1] / "course_lib" / "teaching" / "exercises").glob("ch[0-9][0-9].py"))
+CHAPTERS = sorted(p.stem for p in (Path(__file__).parents[1] / "course_lib" / "teaching" / "exercises")
+                  .glob("ch[0-9][0-9].py"))
 CHECK_CELL = re.compile(r"\bch\d\d\.check_\w+\(")
 
 

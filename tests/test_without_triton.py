@@ -57,7 +57,8 @@ def test_setup_says_why_and_the_numpy_chapters_import(env_without_triton):
             "rt = runtime.setup()\n"
             "try:\n    import triton\nexcept ImportError:\n    pass\nelse:\n    raise AssertionError('triton is not hidden')\n"
             "from course_lib.teaching.exercises import ch00, ch01, ch02, ch03, ch04\n"
-            "from course_lib.teaching import checks, concept_questions\nfrom course_lib.attention import costmodel, iomodel, reference, softmax, tiled\n"
+            "from course_lib.teaching import checks, concept_questions\n"
+            "from course_lib.attention import costmodel, iomodel, reference, softmax, tiled\n"
             "from course_lib.teaching.widgets import hints, memory, quiz, roofline, softmax_stepper, tiling\n"
             "assert 'triton' not in sys.modules\n"
             "print('mode', rt.mode)\n")

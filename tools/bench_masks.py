@@ -399,7 +399,8 @@ def main(argv=None) -> dict:
     p.add_argument("--flex-static", action="store_true",
                    help="compile flex_attention for each N (dynamic=False): slower to compile")
     p.add_argument("--timer", default="cudagraph", choices=TIMERS,
-                   help="cudagraph: GPU time, the call replayed in a CUDA graph (default, as course_lib.measure.bench); "
+                   help="cudagraph: GPU time, the call replayed in a CUDA graph (default, as "
+                        "course_lib.measure.bench); "
                         "events: triton.testing.do_bench, Python launch overhead included")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     args = p.parse_args(argv)

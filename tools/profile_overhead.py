@@ -90,8 +90,8 @@ def bench_module():
         return bench
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_of_this_checkout",
-                                                  Path(__file__).resolve().parents[1] / "course_lib" / "measure" / "bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "_bench_of_this_checkout", Path(__file__).resolve().parents[1] / "course_lib" / "measure" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -339,7 +339,8 @@ def _check_masked(q, k, v, causal, scale, window, seq_lens, block_mask):
     q4, k4 = as_4d(q), as_4d(k)
     batch, heads, n_q, n_k = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
     if block_mask is not None and not isinstance(block_mask, bm.BlockMask):
-        raise TypeError(f"block_mask must be a course_lib.attention.blockmask.BlockMask, got {type(block_mask).__name__}")
+        raise TypeError(f"block_mask must be a course_lib.attention.blockmask.BlockMask, "
+                        f"got {type(block_mask).__name__}")
     if block_mask is not None:
         if (block_mask.n_q, block_mask.n_k) != (n_q, n_k):
             raise ValueError(f"block_mask was built for n_q={block_mask.n_q}, n_k={block_mask.n_k}; the inputs "

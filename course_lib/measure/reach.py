@@ -223,8 +223,9 @@ def ptx_facts(targets=(90, 100, 120), head_dim: int = 128) -> list[dict]:
         raise ValueError(f"targets must be among {sorted(COMPUTE_TARGETS)}, got {unknown}")
     rows = []
     for arch in targets:
-        proc = subprocess.Popen([sys.executable, "-m", "course_lib.measure.reach", "--ptx-facts", str(arch), "--head-dims",
-                                 str(head_dim)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "course_lib.measure.reach", "--ptx-facts", str(arch),
+                                 "--head-dims", str(head_dim)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
         rows += _collect(proc)
     return rows
 

@@ -84,7 +84,8 @@ def tool_pins(pyproject: str | Path | None = None) -> list[str]:
     """The pins of :data:`TEST_TOOLS` in ``pyproject.toml``'s optional dependencies."""
     import tomllib
 
-    path = Path(pyproject) if pyproject is not None else Path(__file__).resolve().parent.parent.parent / "pyproject.toml"
+    root = Path(__file__).resolve().parent.parent.parent
+    path = Path(pyproject) if pyproject is not None else root / "pyproject.toml"
     extras = tomllib.loads(path.read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     pins = {}
     for requirement in (r.split(";")[0].strip() for group in extras.values() for r in group):
