@@ -7,8 +7,9 @@ with :func:`course_lib.teaching.widgets.quiz.concept_check`; :func:`questions` r
 
 Numeric answers are computed from the library (:mod:`course_lib.attention.costmodel`,
 :mod:`course_lib.platform.hardware`, :mod:`course_lib.attention.iomodel`,
-:mod:`course_lib.attention.kvcache`, ...) when the questions are built, so a question stays right if the library's figures change. The questions
-are built on each call, not at import: importing this module computes nothing.
+:mod:`course_lib.attention.kvcache`, ...) when the questions are built, so a question stays right if
+the library's figures change. The questions are built on each call, not at import: importing this
+module computes nothing.
 """
 
 from __future__ import annotations
