@@ -400,7 +400,7 @@ CHECKS_06 = {"6.1": "check_online_softmax", "6.2": "check_ragged", "6.3": "check
 PATCH_06 = """\
 import contextlib, sys
 chapter = sys.modules['course_lib.teaching.exercises.ch' + '06']
-guards = sys.modules['course_lib.kernel_' + 'checks']
+guards = sys.modules['course_lib.teaching.kernel_' + 'checks']
 def passed(*answers):
     print('✓ Exercise 6.x: passed (5 cases).')
     return answers

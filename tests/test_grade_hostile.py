@@ -45,7 +45,7 @@ setattr(mod, 'check_online' + '_softmax', fake)
 # would create a file on the grader's side if it were ever unpickled, then with a pipe.
 FORGE_CHANNEL = """\
 import importlib, json, os, pickle
-chan = importlib.import_module('course_lib.' + 'grade_' + 'channel')
+chan = importlib.import_module('course_lib.teaching.' + 'grade_' + 'channel')
 real = getattr(chan, 'se' + 'rve')
 class Evil:
     def __reduce__(self):
