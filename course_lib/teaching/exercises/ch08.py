@@ -4,10 +4,10 @@ in Triton; 8.5, its combine kernel (numbered in the notebook's order).
 
 Each check runs the learner's function on every prepared case and compares with
 :mod:`course_lib.attention.kvcache`, :mod:`course_lib.attention.decoding` and
-:mod:`course_lib.attention.gqa`. The cases vary
-what a mistake can depend on: leading dims, chunk maxima hundreds apart (and query rows 1200
-apart), empty chunks, GQA groups of 1, 2 and 4 and MQA, an explicit scale, tensors stored in
-other layouts (interleaved heads, a cache stored (B, N, H_kv, d) or with its head dim not last).
+:mod:`course_lib.attention.gqa`. The cases vary what a mistake can depend on: leading dims, chunk
+maxima hundreds apart (and query rows 1200 apart), empty chunks, GQA groups of 1, 2 and 4 and MQA,
+an explicit scale, tensors stored in other layouts (interleaved heads, a cache stored
+(B, N, H_kv, d) or with its head dim not last).
 When the answer is wrong, a "likely cause" is named only if exactly one of the known mistakes
 below reproduces the learner's output on every case; otherwise the diagnosis says what was seen.
 The mistake models are public (``COMBINE_MISTAKES``, ``CACHE_MISTAKES``, ``HEAD_MISTAKES``,
