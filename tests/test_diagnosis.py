@@ -603,3 +603,17 @@ def test_flags_negated_and_indices_off_by_a_constant_are_recognised():
         [outcome(1, WRONG, got=idx + 1, want=idx)])
     # not one constant: nothing said
     assert evidence([outcome(1, WRONG, got=np.array([1, 0, 1, 1, 2, 2]), want=idx)]) == ""
+
+
+def test_packed_samples_right_and_wrong_are_told_apart():
+    cu = np.array([0, 13, 18, 38])
+    want = np.random.default_rng(5).standard_normal((38, 2, 4))
+    got = want.copy()
+    got[13:] += 1.0  # every sample after the first wrong
+    inputs = {"q": want, "cu_seqlens": cu}
+    text = evidence([outcome(1, WRONG, got=got, want=want, inputs=inputs)])
+    assert ("every row of sample 0 of the output is right and every row of samples 1 and 2 "
+            "wrong (their first rows: 13, 18)") in text, text
+    got = want.copy()
+    got[15:20] += 1.0  # part of samples 1 and 2: no per-sample story
+    assert "sample" not in evidence([outcome(1, WRONG, got=got, want=want, inputs=inputs)])

@@ -637,6 +637,9 @@ def _where(outcomes, first, names) -> list[str]:
             return []
         rows_bad = np.moveaxis(bad, axis, -1).reshape(-1, g.shape[axis]).any(axis=0)
         n = rows_bad.size
+        by_sample = _samples_wrong(rows_bad, first.inputs, label, first.n)
+        if by_sample:
+            return [by_sample]
         if rows_bad.all() or n < 2:
             return _columns(bad, label, first.n) if g.ndim >= 2 and axis != -1 else []
         runs = _runs(np.flatnonzero(rows_bad))
@@ -662,6 +665,35 @@ def _where(outcomes, first, names) -> list[str]:
         return [f"in case {first.n}, only {text} of {label} {verb} wrong{tiles}; the other "
                 f"{n_right} of its {n} rows are right"]
     return []
+
+
+def _samples_wrong(rows_bad: np.ndarray, inputs: dict, label: str, n: int) -> str | None:
+    """For packed samples (``cu_seqlens``): which samples' rows are wrong, when that is a whole
+    number of samples and not all of them ("sample 0 right; samples 1 and 2 wrong")."""
+    cu = inputs.get("cu_seqlens")
+    if not _is_array(cu):
+        return None
+    bounds = [int(b) for b in to_numpy64(cu)]
+    if bounds[-1] != rows_bad.size or len(bounds) < 3:
+        return None
+    state = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        part = rows_bad[a:b]
+        if part.size and part.all():
+            state.append(False)
+        elif not part.any():
+            state.append(True)
+        else:
+            return None  # part of a sample wrong: not a per-sample story
+    right = [i for i, ok in enumerate(state) if ok]
+    wrong = [i for i, ok in enumerate(state) if not ok]
+    if not right or not wrong:
+        return None
+    first_rows = ", ".join(f"{bounds[i]}" for i in wrong[:3])
+    return (f"in case {n}, every row of sample{'s' if len(right) > 1 else ''} {_numbers(right)} "
+            f"of {label} is right and every row of sample{'s' if len(wrong) > 1 else ''} "
+            f"{_numbers(wrong)} wrong (their first rows: {first_rows}): what differs between "
+            f"samples is where their rows start (cu_seqlens[b])")
 
 
 def _columns(bad: np.ndarray, label: str, n: int) -> list[str]:
