@@ -1085,6 +1085,11 @@ def _kernel_tolerance():
 
 NO_SAVED_TENSORS = ("no saved tensors found — save them with ctx.save_for_backward(q, k, v, o, "
                     "lse) in forward, and read them back with ctx.saved_tensors in backward")
+TENSORS_AS_ATTRIBUTES = ("forward saved no tensor with ctx.save_for_backward: tensors kept as ctx "
+                         "attributes (ctx.q = q) bypass autograd's checks — an in-place change of "
+                         "q after forward would go unnoticed and backward would compute wrong "
+                         "gradients — and stay alive after backward; save q, k, v, o, lse with "
+                         "ctx.save_for_backward(...) and read them with ctx.saved_tensors")
 WRONG_GRADIENT_COUNT = ("backward must return one value per input of forward (q, k, v, causal, "
                         "scale): return dq, dk, dv, None, None — None for the two that are not "
                         "tensors")
@@ -1118,6 +1123,8 @@ def run_function(fn_cls, q, k, v, do, causal: bool, scale: float):
         if "incorrect number of gradients" in str(exc):
             raise _Diagnosed(f"{WRONG_GRADIENT_COUNT} (torch says: {str(exc).strip()})") from None
         raise
+    if not saved:  # right numbers, but autograd never saw the tensors backward used
+        raise _Diagnosed(TENSORS_AS_ATTRIBUTES)
     return o.detach(), q.grad, k.grad, v.grad
 
 
