@@ -617,3 +617,18 @@ def test_packed_samples_right_and_wrong_are_told_apart():
     got = want.copy()
     got[15:20] += 1.0  # part of samples 1 and 2: no per-sample story
     assert "sample" not in evidence([outcome(1, WRONG, got=got, want=want, inputs=inputs)])
+
+
+def test_a_wrong_answer_quotes_how_its_other_cases_crashed():
+    cases = [Case((np.arange(4.0),), label="four"), Case((np.arange(6.0),), label="six")]
+
+    def wrong_or_crash(x):
+        if x.size == 6:
+            raise ValueError("boom on six")
+        return x + 1
+
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 9.9", wrong_or_crash, lambda x: x * 2, cases)
+    text = str(info.value)
+    assert "(also wrong on case 2 (crashed); right on 0 of 2)" in text, text
+    assert "case 2 crashed: ValueError: boom on six" in text, text

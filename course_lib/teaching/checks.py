@@ -1036,7 +1036,10 @@ def also_wrong_lines(runs: Sequence["CaseRun"], first: "CaseRun", n_cases: int) 
              f"{len([r for r in runs if not r.problem])} of {n_cases})"]
     if crashed and first.crash is None:  # the headline is a wrong value: say how the others crashed
         why = next(r.problem for r in other if r.crash is not None).removeprefix("crashed: ")
-        lines.append(f"  case {crashed[0]} crashed with {_clip(why, CRASH_QUOTE_CHARS)}")
+        # the error itself, not the lines that only repeat which case it was
+        said_lines = [x.strip() for x in why.splitlines()
+                      if x.strip() and not re.match(r"(\w+: )?(your kernel failed )?on case \d", x.strip())]
+        lines.append(f"  case {crashed[0]} crashed: {_clip(' '.join(said_lines) or why, CRASH_QUOTE_CHARS)}")
     return lines
 
 
