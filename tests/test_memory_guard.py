@@ -251,3 +251,24 @@ def test_a_guard_tells_which_elements_each_program_stored():
     assert "program 0: 8 element(s), 0–7; program 1: 8 element(s), 1–8; program 2" in text, text
     assert "consecutive programs' first elements are 1 element(s) apart" in text
     assert guard.coverage("x", x) == "no program stored anything into `x`"
+
+
+@triton.jit
+def head_copy_kernel(q_ptr, k_ptr, o_ptr, D: tl.constexpr):
+    h = tl.program_id(0)
+    cols = tl.arange(0, D)
+    x = tl.load(k_ptr + h * D + cols)  # the query head h used as K/V head
+    tl.store(o_ptr + h * D + cols, x + tl.load(q_ptr + h * D + cols))
+
+
+def test_an_index_of_a_larger_grouped_dim_is_pointed_out():
+    q, k, o = torch.randn(4, 8), torch.randn(2, 8), torch.empty(4, 8)
+    with pytest.raises(MemoryViolation) as info, memory_guard() as guard:
+        guard.allow("q", q)
+        guard.allow("k", k)
+        guard.allow("o", o, write=True)
+        head_copy_kernel[(4,)](q, k, o, D=8)
+    text = str(info.value)
+    assert "index 2 along dim 0 of `k` (size 2) is a valid index of `q`'s dim 0 (size 4 = 2 × 2)" \
+        in text, text
+    assert "K/V head = h // 2" in text

@@ -371,6 +371,7 @@ class MemoryGuard:
                          f"the shape the descriptor was declared with — a declared shape larger "
                          f"than `{evidence.get('tensor')}`'s own reaches past its end",  why)
         why += self._steps_note(np.asarray(addresses), evidence.get("tensor"))
+        why += self._grouped_index_note(evidence)
         if bad.size == lanes.size:  # the whole tile is off, not a ragged edge a mask would cover
             why += _swapped_program_ids_note(program, _grid_dims())
         raise MemoryViolation(f"{head}\n  first bad lane: {where}\n  {why}", op=op, write=write,
@@ -465,6 +466,32 @@ class MemoryGuard:
                 "index multiplied by the wrong stride, or a pid used for the wrong axis",
                 dict(tensor=near.name, index=None, kind="outside"))
 
+
+    def _grouped_index_note(self, evidence: dict) -> str:
+        """A line of evidence when the first bad lane is past the end of exactly one dim of its
+        tensor, and the index it has there fits a larger dim of another tensor whose size is a
+        multiple of this one's (4 query heads, 2 K/V heads): an index of the other tensor's
+        dim used for this one — with grouped heads, a query head used as a K/V head."""
+        r = next((x for x in self.regions if x.name == evidence.get("tensor")), None)
+        idx = evidence.get("index")
+        if r is None or not idx or evidence.get("kind") not in ("past the end",
+                                                                "past the end or strides of another tensor"):
+            return ""
+        over = [(d, i, n) for d, (i, n) in enumerate(zip(idx, r.shape)) if i >= n]
+        if len(over) != 1:
+            return ""
+        d, i, n = over[0]
+        for x in self.regions:
+            if x is r or x.write:
+                continue
+            for dx, m in enumerate(x.shape):
+                if m > n > 1 and m % n == 0 and i < m and m not in r.shape:
+                    return (f"\n  also: index {i} along dim {d} of `{r.name}` (size {n}) is a valid "
+                            f"index of `{x.name}`'s dim {dx} (size {m} = {m // n} × {n}): an index "
+                            f"computed for `{x.name}`'s dim used on `{r.name}`'s? (if these are "
+                            f"heads: each K/V head serves {m // n} query heads, K/V head = h // "
+                            f"{m // n})")
+        return ""
 
     def _steps_note(self, addresses: np.ndarray, name: str | None) -> str:
         """A line of evidence when the tile's offsets step through memory by amounts that are
