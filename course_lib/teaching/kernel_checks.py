@@ -481,10 +481,14 @@ class MemoryGuard:
         if len(over) != 1:
             return ""
         d, i, n = over[0]
+        if r.strides[d] == 1:
+            return ""  # the innermost dim (columns, the head dim d): not a count of anything
         for x in self.regions:
-            if x is r or x.write:
+            if x is r or x.write or len(x.shape) != len(r.shape):
                 continue
             for dx, m in enumerate(x.shape):
+                if dx != d or x.strides[dx] == 1:  # the same dim of a tensor laid out alike
+                    continue
                 if m > n > 1 and m % n == 0 and i < m and m not in r.shape:
                     return (f"\n  also: index {i} along dim {d} of `{r.name}` (size {n}) is a valid "
                             f"index of `{x.name}`'s dim {dx} (size {m} = {m // n} × {n}): an index "
