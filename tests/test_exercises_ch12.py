@@ -151,6 +151,51 @@ def test_an_adapter_that_crashes_on_the_padded_batch_is_not_a_refusal():
         ch12.check_adapter(crashes_on_masks)
 
 
+class PaddingNotSupported(ValueError):
+    """A learner's own refusal: a subclass of ValueError."""
+
+
+def _refusing_with_own_error(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    if attention_mask is not None:
+        raise PaddingNotSupported("left padding is not supported")
+    return _refusing(module, query, key, value, None, scaling)
+
+
+def test_the_adapter_runs_through_a_library_function_that_returns_data():
+    """What the grader sends by name to the notebook's process (``ch12.run_adapter``): the module
+    rebuilt from its sizes, the adapter called as transformers calls it, and only data back, which
+    the channel carries strictly. A refusal by name comes back as text only where the check allows
+    one (the padded batch); elsewhere it is raised, as the learner's adapter raised it."""
+    from course_lib.teaching import grade_channel
+
+    seen = {}
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.update(groups=module.num_key_value_groups, d=module.head_dim, scaling=module.scaling,
+                    kwargs=sorted(kwargs))
+        return _refusing(module, query, key, value, attention_mask, kwargs.get("scaling"))
+
+    q, k, v = ch12._qkv(torch.Generator().manual_seed(0), 1, 4, 2, 5, 5, 16, torch.float32, True)
+    reply = ch12.run_adapter(spy, (4, 2, 16), False, (q, k, v, None), {"scaling": 0.3})
+    assert seen == {"groups": 2, "d": 16, "scaling": 16 ** -0.5, "kwargs": ["scaling"]}
+    out, weights = reply["result"]
+    assert out.shape == (1, 5, 4, 16) and weights is None
+    assert grade_channel.decode(grade_channel.encode(reply))["result"][0].equal(out)
+    mask = ch12._left_padding_mask([5], 5, "cpu")
+    assert ch12.run_adapter(_refusing_with_own_error, (4, 2, 16), True, (q, k, v, mask), {}) == {
+        "refused": "PaddingNotSupported: left padding is not supported"}
+    with pytest.raises(PaddingNotSupported):
+        ch12.run_adapter(_refusing_with_own_error, (4, 2, 16), False, (q, k, v, mask), {})
+
+
+def test_a_refusal_of_the_learners_own_class_is_a_refusal(capsys):
+    """Caught where the adapter runs: in the grader a learner's exception class only crosses by
+    name (not as a ValueError), so the check asks there whether it was a refusal."""
+    assert ch12.check_adapter(_refusing_with_own_error) is _refusing_with_own_error
+    assert "refused by name (PaddingNotSupported: left padding is not supported)" in \
+        capsys.readouterr().out
+
+
 def test_left_padding_mask_hides_the_padding_and_the_future():
     mask = ch12._left_padding_mask([3, 2], 3, "cpu")  # (B, 1, N, N)
     assert mask.shape == (2, 1, 3, 3)
@@ -374,6 +419,48 @@ def test_missing_annotations_are_a_crash_with_the_learners_line():
         return attention
     with pytest.raises(ExerciseFailed, match="annotation"):
         ch12.check_custom_op(make_attention_op)
+
+
+def test_the_op_is_probed_through_library_functions_that_return_data():
+    """What the grader sends by name to the notebook's process for 12.2, each making the op anew:
+    what the factory returns (``op_kind``), what opcheck finds (``opcheck_problem``: None, or the
+    message the diagnosis reads), the graph count and outputs of the compiled block
+    (``compile_probe``) — all data, which the channel carries strictly."""
+    from course_lib.teaching import grade_channel
+
+    right, empty_like = _factory(), _factory(fake=FAKES["empty_like"])
+    assert ch12.op_kind(right) == {"custom_op": True, "library": False, "type": "CustomOpDef",
+                                   "name": "CustomOpDef"}
+    assert ch12.op_kind(_factory(plain=True)) == {"custom_op": False, "library": False,
+                                                  "type": "function", "name": "attention"}
+    assert ch12.op_kind(ch12.library_attention_op)["library"] is True
+    args = ch12._op_cases()[1].args  # q a transposed view
+    assert ch12.opcheck_problem(right, *args) is None
+    problem = ch12.opcheck_problem(empty_like, *args)
+    assert "the fake's o (output 0) has strides" in ch12.opcheck_diagnosis(problem), problem
+    q, k, v, _, scale = ch12._op_cases()[0].args
+    found = ch12.compile_probe(right, q, k, v, scale)
+    assert (found["graphs"], found["breaks"], found["reasons"]) == (1, 0, [])
+    atol, rtol = checks._default_tolerance(found["eager"])
+    assert torch.allclose(found["compiled"], found["eager"], atol=atol, rtol=rtol)
+    for reply in (ch12.op_kind(right), problem, found):
+        grade_channel.encode(reply)  # strict: raises on anything that is not data
+
+
+@pytest.mark.parametrize("forged, words", [
+    ("passed", "answered a probe of your op with str data, not the fields graphs, breaks"),
+    (lambda found: {**found, "compiled": found["compiled"][..., :1]}, "the compiled block gives a "
+                                                                      "Tensor(1, 2, 40, 1)"),
+], ids=["not-a-dict", "shape"])
+def test_a_probe_reply_that_is_not_what_the_probe_returns_fails(monkeypatch, forged, words):
+    """In the grader the probes' replies come from the notebook's process, whose copy of the
+    library the learner may patch: a reply without the probe's fields, or with outputs of another
+    shape, is a failure with a message, never a pass or a crash of the check."""
+    probe = ch12.compile_probe
+    monkeypatch.setattr(ch12, "compile_probe", lambda *args: forged(probe(*args))
+                        if callable(forged) else forged)
+    message = assert_rejected(ch12.check_custom_op, _factory(), None)
+    assert message.startswith("✗ Exercise 12.2") and words in message, message
 
 
 def test_an_unknown_opcheck_failure_is_quoted_not_guessed():

@@ -353,11 +353,11 @@ def test_exercise_lists_come_from_the_solutions():
     # every exercise the grader cannot isolate exists, and says why
     listed = {ex for ch in chapters.values() for ex in ch.exercises}
     assert set(grade.NOT_ISOLATED) <= listed and all(grade.NOT_ISOLATED.values())
-    # ... and the README's instructors are told which ("6.1–6.4" is a range)
-    said = re.search(r"- Exercises (.+?) are graded as before", " ".join(
-        (nbgen.ROOT / "README.md").read_text().split())).group(1).replace(" and ", ", ").split(", ")
+    # ... and the README's instructors are told which ("6.1–6.4" is a range; "none")
+    said = re.search(r"- Exercises graded as before, [^:]*: (none|[\d.,– and]+)\.", " ".join(
+        (nbgen.ROOT / "README.md").read_text().split())).group(1)
     named = set()
-    for item in said:
+    for item in [] if said == "none" else said.replace(" and ", ", ").split(", "):
         first, _, last = item.partition("–")
         major, low = first.split(".")
         named |= {f"{major}.{n}" for n in range(int(low), int((last or first).split(".")[1]) + 1)}
@@ -457,11 +457,21 @@ def _pasted_twice_10():
     return learner
 
 
+# Chapter 12's learners (the checks run the adapter and the op factory through library functions):
+# alice's adapter aligns the causal mask to the top-left on a decoding step, bob's fake copies q's
+# strides (torch.empty_like), which opcheck finds on the case with a transposed q
+WRONG_12 = {"alice": [("causal=n_q > 1, scale=scaling)", "causal=True, scale=scaling)")],
+            "bob": [("return q.new_empty(q.shape), q.new_empty(",
+                     "return torch.empty_like(q), q.new_empty(")]}
+PRELUDE_12 = ("import torch\nimport course_lib\nfrom course_lib.platform import runtime\nrt = runtime.setup()\n"
+              "from course_lib.teaching.exercises import ch12\nfrom course_lib.kernels import teaching")
+
+
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
-    """One grading run (two notebooks at a time) shared by the tests below: chapters 06, 07 and 11
-    (answers the checks use through library functions) and chapter 10 (a pasted check cell). The
-    rows, and the notebooks as the grader executed them."""
+    """One grading run (two notebooks at a time) shared by the tests below: chapters 06, 07, 11
+    and 12 (answers the checks use through library functions) and chapter 10 (a pasted check
+    cell). The rows, and the notebooks as the grader executed them."""
     tmp = tmp_path_factory.mktemp("shared-run")
     ring = _graded_only(_reduced("11_ring_attention.ipynb", lambda src: "import course_lib" in src
                                  or "runtime.setup()" in src or "# Exercise 11." in src
@@ -487,6 +497,10 @@ def shared_run(tmp_path_factory):
     for chapter, cells, name in (("11", ring, "11_ring_attention"), ("07", [prelude, *glue], "07_backward")):
         notebooks[name] = {"alice": _changed(cells), "bob": _changed(cells, changes[chapter])}
     notebooks["10_masks_in_triton"] = {"pat": _pasted_twice_10()}
+    real_model = [nbformat.v4.new_code_cell(PRELUDE_12), *_reduced(
+        "12_your_kernel_in_a_real_model.ipynb", lambda src: "# Exercise 12." in src or "ch12.check_" in src)]
+    notebooks["12_your_kernel_in_a_real_model"] = {
+        who: _changed(real_model, changes) for who, changes in WRONG_12.items()}
     (tmp / "sub").mkdir()
     for name, learners in notebooks.items():
         for learner, nb in learners.items():
@@ -514,6 +528,28 @@ def test_answers_used_through_library_functions_are_graded_outside_the_notebook(
     assert rows["bob", "7.6"]["status"] == "wrong" and "wrong order" in rows["bob", "7.6"]["message"], rows["bob", "7.6"]
     assert not any(rows[who, ex]["message"].startswith(grade.NOT_ISOLATED_MARK)
                    for who in ("alice", "bob") for ex in ("11.1", "11.2", "7.6"))
+
+
+@pytest.mark.ch12
+def test_an_adapter_and_an_op_factory_are_run_in_the_notebook_and_judged_in_the_grader(shared_run):
+    """12.1: the check calls the learner's adapter through ``ch12.run_adapter`` (the module that
+    transformers would pass rebuilt there from its sizes); 12.2: it makes and runs the learner's
+    op, opcheck and torch.compile through ``ch12.op_outputs``, ``op_kind``, ``opcheck_problem`` and
+    ``compile_probe``. All are sent by name, only data comes back, and the rows are graded in the
+    grader (not "not isolated") with exactly what each learner's check cell showed: alice's right
+    op passes and her adapter's top-left causal mask is named, bob's right adapter passes and his
+    fake's copied strides are named."""
+    rows, executed = shared_run["rows"], shared_run["executed"]
+    calls = {"12.1": "ch12.check_adapter", "12.2": "ch12.check_custom_op"}
+    statuses = {("alice", "12.1"): "wrong", ("alice", "12.2"): "passed",
+                ("bob", "12.1"): "passed", ("bob", "12.2"): "wrong"}
+    for (who, ex), status in statuses.items():
+        shown = _check_cell_outputs(executed / who / "12_your_kernel_in_a_real_model.ipynb", calls[ex])
+        assert (rows[who, ex]["status"], rows[who, ex]["message"]) == (status, shown), (who, ex)
+    assert "likely cause: the causal mask is aligned to the top-left" in rows["alice", "12.1"]["message"]
+    assert "torch.library.opcheck fails on case 2" in rows["bob", "12.2"]["message"]
+    assert "the fake's o (output 0) has strides" in rows["bob", "12.2"]["message"]
+    assert not any(row["message"].startswith(grade.NOT_ISOLATED_MARK) for row in rows.values())
 
 
 @pytest.mark.ch07

@@ -25,9 +25,9 @@ sends back numbers, decoded without executing anything. Whatever the learner's c
 does in its own process — patch the checks, forge the old grading log, print a ✓ — is never read.
 The learner's own check cells still run there, so the executed notebooks show the usual messages.
 
-A few exercises cannot be handed to a check this way (:data:`NOT_ISOLATED` says which and why):
-they are graded as before, from the report the check writes inside the notebook's process, and
-their rows say so (``not isolated``).
+An exercise that cannot be handed to a check this way (:data:`NOT_ISOLATED` says which and why;
+none today) is graded as before, from the report the check writes inside the notebook's process,
+and its rows say so (``not isolated``).
 
 For each notebook the grader
 
@@ -92,18 +92,13 @@ SUSPICIOUS = ("COURSE_GRADE_LOG", "GRADE_LOG", "checks.report", "checks.passed",
               "checks.failed_with", "learner_check", "_LIBRARY_ANSWER", "is_library_object",
               "grade_channel")
 CSV_COLUMNS = ["learner", "chapter", "notebook", "exercise", "status", "message"]
-# The exercises whose check cannot be handed proxies: graded from the report their check writes
-# inside the notebook's process, as the grader did before it had a trust boundary. Both hand over
-# code, which only runs where it was defined: an adapter that transformers calls with its own
-# module objects, and a function that returns a custom operator. (Their checks' runs — the model,
-# the operator under torch.compile — could be sent to the notebook's process by name, as 7.6's
-# training is with grade_channel.run_with: not done.)
-NOT_ISOLATED = {
-    "12.1": ("transformers calls your adapter with its own module objects (code and a model's "
-             "state, not data) in the process where the model runs"),
-    "12.2": ("your function returns a custom operator: code, which the grader would have to run; "
-             "only data crosses to the grader"),
-}
+# The exercises whose check cannot be handed proxies ({exercise: why}): graded from the report
+# their check writes inside the notebook's process, as the grader did before it had a trust
+# boundary, their rows marked. None today: the last two, 12.1 and 12.2, hand over code (an adapter
+# transformers calls with its module; a function that makes a custom operator), and their checks
+# now run it through library functions sent by name (ch12.run_adapter; ch12.op_outputs, op_kind,
+# opcheck_problem, compile_probe), which return only data.
+NOT_ISOLATED: dict[str, str] = {}
 NOT_ISOLATED_MARK = "not isolated"  # starts the message of such a row
 NOTEBOOK_TIMEOUT_S = 1800  # default wall-clock limit for one notebook
 # CPU seconds per wall second a notebook may use (its threads: torch's and ipykernel's)

@@ -20,6 +20,12 @@
 The mistake models of 12.1 are SDPA with one slip switched on (:func:`_adapter_model`); 12.2's
 diagnoses come from what ``opcheck`` reports (:data:`OPCHECK_CAUSES`), plus two models of the
 op's outputs.
+
+Both answers are code that runs only where it was defined, so the checks use them only through
+library functions called with ``grade_channel.run_with`` — :func:`run_adapter`; :func:`op_outputs`,
+:func:`op_kind`, :func:`opcheck_problem`, :func:`compile_probe` — which return data: in a check
+cell that is a plain call; the grader sends them by name to the notebook's process and judges
+what comes back in its own.
 """
 
 from __future__ import annotations
@@ -34,10 +40,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from course_lib.teaching import checks
+from course_lib.teaching import checks, grade_channel
 from course_lib.platform import runtime
 from course_lib.teaching.checks import (Case, ExerciseFailed, _default_tolerance, check_function,
-                                        learner_check)
+                                        describe_value, learner_check)
 from course_lib.attention.reference import default_scale, naive_attention_torch
 
 _rt = runtime.ensure_configured()  # interpreter or GPU: decided before any kernel is defined
@@ -50,10 +56,13 @@ _rt = runtime.ensure_configured()  # interpreter or GPU: decided before any kern
 class AttentionModuleStandIn(torch.nn.Module):
     """What transformers passes as ``module``: the attention layer calling the adapter (only the
     attributes an adapter reads: ``num_key_value_groups``, ``head_dim``, ``scaling``,
-    ``is_causal``, ``layer_idx``)."""
+    ``is_causal``, ``layer_idx``; and ``spec``, its arguments, which cross to the grader's
+    notebook process as data)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
         super().__init__()
+        # what rebuilds it in the notebook's process when the grader runs an adapter there
+        self.spec = (heads, kv_heads, head_dim)
         self.num_key_value_groups = heads // kv_heads
         self.head_dim = head_dim
         self.scaling = default_scale(head_dim)
@@ -204,20 +213,48 @@ def _adapter_cases() -> list[Case]:
     return cases
 
 
+def run_adapter(adapter, spec: tuple, refusal_allowed: bool, args: tuple, kwargs: dict) -> dict:
+    """Call ``adapter`` as transformers does, on a module rebuilt from ``spec``: where the
+    learner's adapter lives (the check cell's process, or the notebook's when the grader sends
+    this function by name, ``grade_channel.run_with``), returning only data.
+
+    Args:
+        adapter: the learner's ``attention(module, query, key, value, attention_mask, **kwargs)``.
+        spec: ``AttentionModuleStandIn.spec``, ``(heads, kv_heads, head_dim)``.
+        refusal_allowed: catch a refusal by name (:data:`REFUSALS`) instead of raising it.
+        args: ``(query (B, H, N_q, d), key, value (B, H_kv, N_k, d), attention_mask)``.
+        kwargs: ``scaling``, ``dropout``, ...
+
+    Returns:
+        ``{"result": what the adapter returned}``, or ``{"refused": "ValueError: ..."}`` (only
+        with ``refusal_allowed``; caught here, where the learner's own subclasses of the errors
+        are still theirs).
+    """
+    module = AttentionModuleStandIn(*spec)
+    try:
+        return {"result": adapter(module, *args, **kwargs)}
+    except REFUSALS as exc:
+        if not refusal_allowed:
+            raise
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+
+
 def _normalised(adapter, refused: dict | None = None) -> Callable:
     """``adapter`` as the check compares it: it returns ``out`` of the pair ``(out, weights)``
     with the padding rows zeroed (transformers never uses them), and ``[result]`` when the
     adapter returned something else than a pair (so that it cannot pass). With ``refused`` (a
     dict), a padded batch refused by name counts as right and the error is kept in
-    ``refused["error"]``."""
+    ``refused["error"]``. The adapter runs through :func:`run_adapter` (in the notebook's
+    process, when the grader runs the check)."""
     def call(module, query, key, value, attention_mask, **kwargs):
-        try:
-            result = adapter(module, query, key, value, attention_mask, **kwargs)
-        except REFUSALS as exc:
-            if refused is None or attention_mask is None:
-                raise
-            refused["error"] = f"{type(exc).__name__}: {exc}"
+        allowed = refused is not None and attention_mask is not None
+        reply = grade_channel.run_with(adapter, run_adapter, module.spec, allowed,
+                                       (query, key, value, attention_mask), kwargs)
+        if isinstance(reply, dict) and isinstance(reply.get("refused"), str) and allowed:
+            refused["error"] = reply["refused"]
             result = adapter_reference(module, query, key, value, attention_mask, **kwargs)
+        else:  # (a reply that is not run_adapter's can only fail: it is not a pair)
+            result = reply.get("result", reply) if isinstance(reply, dict) else reply
         if not (isinstance(result, tuple) and len(result) == 2):
             return [result]
         out = result[0]
@@ -478,6 +515,55 @@ def probe_fake(op, args: tuple) -> None:
         op(*fakes)
 
 
+def op_outputs(make_op, q, k, v, causal: bool, scale: float):
+    """``make_op()(q, k, v, causal, scale)``: the op made anew, as re-running the exercise cell
+    would, and run where it lives (the notebook's process when the grader sends this by name)."""
+    return make_op()(q, k, v, causal, scale)
+
+
+def op_kind(make_op) -> dict[str, Any]:
+    """What ``make_op()`` returns, as data: ``{"custom_op": bool, "library": bool (the library's
+    own op), "type": its type's name, "name": its name}``."""
+    op = make_op()
+    return {"custom_op": is_custom_op(op),
+            "library": op is library_attention_op() or checks.is_library_object(_op_function(op)),
+            "type": type(op).__name__, "name": str(getattr(op, "__name__", type(op).__name__))}
+
+
+def opcheck_problem(make_op, q, k, v, causal: bool, scale: float) -> str | None:
+    """What :func:`probe_fake` then :func:`opcheck_report` find wrong with ``make_op()`` on these
+    inputs, as text (the exception's message); None when both pass."""
+    op = make_op()
+    args = (q, k, v, causal, scale)
+    try:
+        probe_fake(op, args)  # first, launching nothing (a launch on FakeTensors breaks a GPU)
+        opcheck_report(op, args)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - opcheck's finding is the evidence
+        return str(exc)
+    return None
+
+
+def compile_probe(make_op, q, k, v, scale: float) -> dict[str, Any]:
+    """:func:`graph_report` and ``torch.compile(fullgraph=True)`` of a block around ``make_op()``
+    on ``q, k, v`` ``(B, H, N, d)``, as data: ``{"graphs": int, "breaks": int, "reasons": [str],
+    "compiled": tensor, "eager": tensor}``, or ``{"error": "Name: first line"}`` when the
+    compiler failed."""
+    block = _sample_block(make_op(), scale)
+    try:
+        graphs, breaks, reasons = graph_report(block, q, k, v)
+        with _quiet_torch():
+            torch._dynamo.reset()
+            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k, v)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - what the compiler said is the evidence
+        return {"error": _first_line(exc)}
+    return {"graphs": graphs, "breaks": breaks, "reasons": reasons, "compiled": compiled,
+            "eager": block(q, k, v)}
+
+
 def _sample_block(op, scale: float) -> Callable:
     """A small compiled-model stand-in: the op between two torch operations."""
     def block(q, k, v):
@@ -518,6 +604,18 @@ def _failed(message: str) -> ExerciseFailed:
     return checks.failed_with("Exercise 12.2", message)
 
 
+def _reply(value: Any, fields: dict[str, type]) -> dict[str, Any]:
+    """``value`` as a dict of ``fields`` (name -> type), in that order: what a probe of the op
+    returned, checked before it is judged (from the grader's notebook process it is only data,
+    and may be anything); raises :class:`ExerciseFailed` when it is not that."""
+    ok = isinstance(value, dict) and all(isinstance(value.get(name), kind) for name, kind in
+                                         fields.items())
+    if not ok:
+        raise _failed(f"✗ Exercise 12.2: the notebook's process answered a probe of your op with "
+                      f"{type(value).__name__} data, not the fields {', '.join(fields)}")
+    return {name: value[name] for name in fields}
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -536,25 +634,24 @@ def check_custom_op(make_op):
     break, and the same numbers as eager."""
     exercise = "Exercise 12.2"
     fallback = library_attention_op
-    made: list = []
 
-    def run(*args):
-        op = make_op()
-        made.append(op)
-        return op(*args)
+    def run(q, k, v, causal, scale):  # in the notebook's process when the grader runs it
+        return grade_channel.run_with(make_op, op_outputs, q, k, v, causal, scale)
 
     cases = _op_cases()
     # inputs may be changed here: opcheck, next, says whether the op declared it
     result = check_function(exercise, run, attention_op_reference, cases, fallback=fallback,
                             mistakes=OP_OUTPUT_MISTAKES, quiet=True, subject="your op",
                             writable=("q", "k", "v"))
-    op = made[-1] if made else None
-    if result is fallback or op is fallback() or checks.is_library_object(_op_function(op)):
+    if result is fallback:
         return checks.not_done(exercise, fallback)
-    if not is_custom_op(op):
-        name = getattr(op, "__name__", type(op).__name__)
+    kind = _reply(grade_channel.run_with(make_op, op_kind), {"custom_op": bool, "library": bool,
+                                                             "type": str, "name": str})
+    if kind["library"]:
+        return checks.not_done(exercise, fallback)
+    if not kind["custom_op"]:
         raise _failed(f"✗ {exercise}: make_attention_op() returned a plain Python "
-                      f"{type(op).__name__} (`{name}`), not a torch.library custom op\n"
+                      f"{kind['type']} (`{kind['name']}`), not a torch.library custom op\n"
                       f"  its numbers are right, but torch.compile would trace into it and reach "
                       f"the Triton launch, which it cannot trace (a graph break, or an error with "
                       f"fullgraph=True): decorate it with "
@@ -563,30 +660,24 @@ def check_custom_op(make_op):
     for n in (2, 3):  # a transposed q with N_q != N_k; the fast dtype (float16 or bfloat16)
         case = cases[n - 1]
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args)
-        try:
-            probe_fake(op, args)  # first, launching nothing (a launch on FakeTensors breaks a GPU)
-            opcheck_report(op, args)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - opcheck's finding is the evidence
+        problem = grade_channel.run_with(make_op, opcheck_problem, *args)
+        if problem is not None:
             raise _failed(f"✗ {exercise}: torch.library.opcheck fails on case {n} "
-                          f"{case.describe()}\n  {opcheck_diagnosis(str(exc))}") from None
+                          f"{case.describe()}\n  {opcheck_diagnosis(str(problem))}")
     q, k, v, _, scale = cases[0].args
-    block = _sample_block(op, scale)
-    try:
-        graphs, breaks, reasons = graph_report(block, q, k, v)
-        with _quiet_torch():
-            torch._dynamo.reset()
-            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k, v)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # noqa: BLE001 - what the compiler said is the evidence
+    found = grade_channel.run_with(make_op, compile_probe, q, k, v, scale)
+    if isinstance(found, dict) and "error" in found:
         raise _failed(f"✗ {exercise}: torch.compile(fullgraph=True) of a block around your op "
-                      f"failed\n  {_first_line(exc)}") from None
+                      f"failed\n  {found['error']}")
+    found = _reply(found, {"graphs": int, "breaks": int, "reasons": list,
+                           "compiled": torch.Tensor, "eager": torch.Tensor})
+    graphs, breaks, reasons, compiled, eager = found.values()
     if graphs != 1 or breaks:
         raise _failed(f"✗ {exercise}: torch.compile splits a block around your op into {graphs} "
-                      f"graphs ({breaks} graph breaks: {'; '.join(reasons[:2])})")
-    eager = block(q, k, v)
+                      f"graphs ({breaks} graph breaks: {'; '.join(map(str, reasons[:2]))})")
+    if (compiled.shape, compiled.dtype) != (eager.shape, eager.dtype):
+        raise _failed(f"✗ {exercise}: the compiled block gives a {describe_value(compiled)}, "
+                      f"eager a {describe_value(eager)}")
     atol, rtol = _default_tolerance(eager)  # the first case's dtype: float32, or float16 on a GPU
     if not torch.allclose(compiled, eager, atol=atol, rtol=rtol):
         raise _failed(f"✗ {exercise}: the compiled block differs from eager by "
