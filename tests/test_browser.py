@@ -128,36 +128,57 @@ def browser():
             chromium.close()  # disconnects; chromium_process then stops the browser by its PID
 
 
-@pytest.fixture
-def notebook_page(lab, browser):
-    """Open a notebook in a fresh page; afterwards stop its kernel, drop its workspace, close."""
-    context = browser.new_context(viewport=bh.VIEWPORT)
-    page = context.new_page()
-    page.set_default_timeout(30_000)
-    bh.block_saves(page)
-    news = bh.watch_for_news_prompt(page)
-    opened = []
+@dataclass
+class RanNotebook:
+    """A learner notebook opened in its own page and run once with Run All (``seconds``)."""
+    page: object
+    panel: object
+    seconds: float
 
-    def open_(path: Path):
-        relpath = path.relative_to(ROOT).as_posix()
-        workspace = f"browser-test-{path.stem}"
-        before = path.read_bytes()
-        opened.append((relpath, workspace, path, before))
-        return bh.open_notebook(page, lab, relpath, workspace)
 
-    yield page, open_
-    try:
-        for relpath, workspace, _, _ in opened:
+@pytest.fixture(scope="module")
+def ran_notebook(lab, browser):
+    """``ran_notebook(path)``: the notebook opened in a fresh page and run with Run All, once per
+    module — the tests of one notebook share its page and kernel in the order they run (a Run All
+    with its kernel's start is ~10 s of two cores). Afterwards: each kernel stopped, each workspace
+    dropped, each page closed, and no notebook written and no news pop-up seen."""
+    opened: dict[Path, tuple] = {}
+
+    def ran(path: Path) -> RanNotebook:
+        if path not in opened:
+            context = browser.new_context(viewport=bh.VIEWPORT)
+            page = context.new_page()
+            page.set_default_timeout(30_000)
+            bh.block_saves(page)
+            news = bh.watch_for_news_prompt(page)
+            relpath = path.relative_to(ROOT).as_posix()
+            workspace = f"browser-test-{path.stem}"
+            before = path.read_bytes()
+            opened[path] = (context, news, relpath, workspace, before, None)
+            panel = bh.open_notebook(page, lab, relpath, workspace)
+            seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+            print(f"\n{path.name}: Run All Cells took {seconds:.1f} s")
+            opened[path] = (context, news, relpath, workspace, before, RanNotebook(page, panel, seconds))
+        found = opened[path][-1]
+        assert found is not None, f"{path.name}: its first opening failed (see the first test that used it)"
+        return found
+
+    yield ran
+    problems = []
+    for path, (context, news, relpath, workspace, before, _) in opened.items():
+        try:
+            page = context.pages[0]
             bh.shut_down_kernels(page, lab, relpath)
             bh.delete_workspace(page, lab, workspace)
-    finally:
-        context.close()
-    for relpath, _, path, before in opened:
+        finally:
+            context.close()
         if path.read_bytes() != before:  # a save slipped through block_saves: put the file back
             path.write_bytes(before)
-            pytest.fail(f"the browser wrote to {relpath}; restored it")
-    assert not news, f"JupyterLab showed its news pop-up ({news[0]!r}): the course's lab sets " \
-                     "fetchNews = \"false\" (course_lib/platform/lab.py) so that it never shows"
+            problems.append(f"the browser wrote to {relpath}; restored it")
+        if news:
+            problems.append(f"{relpath}: JupyterLab showed its news pop-up ({news[0]!r}): the course's lab "
+                            "sets fetchNews = \"false\" (course_lib/platform/lab.py) so that it never shows")
+    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -213,14 +234,12 @@ def act_once(page, output, action: Action) -> str:
 
 @needs_chromium
 @pytest.mark.ch00
-def test_setup_chapter_runs_in_the_browser(notebook_page):
-    page, open_ = notebook_page
+def test_setup_chapter_runs_in_the_browser(ran_notebook):
     path = chapter_notebook("00_")
     assert path is not None, "notebooks/00_*.ipynb is missing"
     clear_screenshots("00")
-    panel = open_(path)
-    seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
-    print(f"\nch00: Run All Cells took {seconds:.1f} s")
+    ran = ran_notebook(path)
+    page, panel = ran.page, ran.panel
     bh.assert_no_news_prompt(page)
     bh.screenshot_notebook(page, panel, SCREENSHOTS / "ch00_notebook.png")
     assert_ran_cleanly(panel, path.name)
@@ -233,13 +252,11 @@ def test_setup_chapter_runs_in_the_browser(notebook_page):
 
 @needs_chromium
 @pytest.mark.parametrize("spec", list(_widget_cases()))
-def test_widget_chapter_in_the_browser(notebook_page, spec: WidgetChapter):
-    page, open_ = notebook_page
+def test_widget_chapter_in_the_browser(ran_notebook, spec: WidgetChapter):
     path = chapter_notebook(spec.stem)
     clear_screenshots(spec.chapter)
-    panel = open_(path)
-    seconds = bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
-    print(f"\nch{spec.chapter} ({path.name}): Run All Cells took {seconds:.1f} s")
+    ran = ran_notebook(path)
+    page, panel = ran.page, ran.panel
     assert_ran_cleanly(panel, path.name)
 
     # the widget rendered: its controls and its figure are on the page
@@ -329,23 +346,24 @@ STALE_CHECKS = [
 @needs_chromium
 @pytest.mark.parametrize("case", [pytest.param(c, id=f"ch{c.chapter}", marks=getattr(pytest.mark, f"ch{c.chapter}"))
                                   for c in STALE_CHECKS])
-def test_no_false_pass_when_only_the_check_cell_is_rerun(notebook_page, lab, case: StaleCheck):
+def test_no_false_pass_when_only_the_check_cell_is_rerun(ran_notebook, lab, case: StaleCheck):
     """Run All leaves the exercise "not done yet", so the check cell hands on the library's version
     under the exercise's name. A learner then types an answer (wrong here) but runs only the check
     cell: the check is handed the library's code again and must not say ✓; it must say to run the
     exercise cell."""
-    page, open_ = notebook_page
     path = chapter_notebook(f"{case.chapter}_")
     relpath = path.relative_to(ROOT).as_posix()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     for old in SCREENSHOTS.glob(f"ch{case.chapter}_stale_check_*.png"):
         old.unlink()
-    panel = open_(path)
-    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    ran = ran_notebook(path)  # run once; the exercise cell is still the stub Run All left
+    page, panel = ran.page, ran.panel
     assert_ran_cleanly(panel, path.name)
 
     exercise_cell = bh.code_cell(panel, f"# {case.exercise}:")
     check_cell = bh.code_cell(panel, case.check)
+    check_cell.scroll_into_view_if_needed()  # an earlier test may have left the page elsewhere:
+    check_cell.locator(".jp-OutputArea-output").first.wait_for(state="visible")  # drawn in view only
     first = bh.cell_output_text(check_cell)
     assert "not done yet" in first and "✓" not in first, \
         f"{case.exercise}: after Run All with the stub untouched the check said {first!r}"
@@ -370,15 +388,14 @@ def test_no_false_pass_when_only_the_check_cell_is_rerun(notebook_page, lab, cas
 
 @needs_chromium
 @pytest.mark.ch03
-def test_stepper_block_size_reaches_n_in_the_browser(notebook_page):
+def test_stepper_block_size_reaches_n_in_the_browser(ran_notebook):
     """Chapter 03's stepper starts on a 4-score row; on a 12-score row the Block size slider must
     reach 12 with the End key (the slider on the page once kept its first range: End gave 4)."""
     from course_lib.teaching.widgets import softmax_stepper as ws
 
-    page, open_ = notebook_page
     path = chapter_notebook("03_")
-    panel = open_(path)
-    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    ran = ran_notebook(path)
+    page, panel = ran.page, ran.panel
     assert_ran_cleanly(panel, path.name)
     output = bh.widget_output(page, panel, "Next tile")
     output.scroll_into_view_if_needed()
@@ -433,19 +450,18 @@ def shown(text: str, length: int = 60) -> str:
 
 @needs_chromium
 @pytest.mark.ch01
-def test_concept_check_in_the_browser(notebook_page):
+def test_concept_check_in_the_browser(ran_notebook):
     """Chapter 01's concept check renders, answers a wrong and a right choice and a number with
     ✗/✓ and the explanation, and nothing in it is cut off."""
     from course_lib.teaching import concept_questions
     from course_lib.teaching.widgets.quiz import MultipleChoice, Numeric
 
-    page, open_ = notebook_page
     path = chapter_notebook(f"{QUIZ_CHAPTER}_")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     for old in SCREENSHOTS.glob(f"ch{QUIZ_CHAPTER}_quiz*.png"):
         old.unlink()
-    panel = open_(path)
-    bh.run_all_cells(page, panel, RUN_ALL_TIMEOUT_S)
+    ran = ran_notebook(path)
+    page, panel = ran.page, ran.panel
     assert_ran_cleanly(panel, path.name)
 
     questions = concept_questions.questions(QUIZ_CHAPTER)
