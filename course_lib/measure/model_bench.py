@@ -57,9 +57,10 @@ class LlamaSize:
 
 
 # CPU mode: every attention call runs in Triton's interpreter, so the model is tiny and the run
-# short (one 32-row tile per sequence and head). GPU: a small model for a few hundred steps.
+# short (one 32-row tile per sequence and head; six steps — the loss visibly falls, and each step
+# costs about a second of the interpreter). GPU: a small model for a few hundred steps.
 CPU_SIZE = LlamaSize(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, context=32, batch=2,
-                     steps=10)
+                     steps=6)
 GPU_SIZE = LlamaSize(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, context=256,
                      batch=16, steps=300)
 # The speed and memory measurement (tools/bench_model.py): d = 64 heads, GQA 16/8, 16k tokens a step.
