@@ -89,8 +89,7 @@ def test_point_labels_touch_no_line_axis_or_other_label(gpu, dtype):
     """The "mask: 0.25" label once sat on the 10⁰ tick, and the matmul label on the roof."""
     w = RooflineWidget(seq_len=1024, head_dim=64, dtype=dtype, gpu=gpu)
     for seq_len, head_dim in ((1024, 64), (131072, 80), (128, 256), (16384, 128)):
-        w.seq_len.value, w.head_dim.value = seq_len, head_dim
-        w.fig.draw_without_rendering()
+        w.seq_len.value, w.head_dim.value = seq_len, head_dim  # each redraws: the PNG's positions
         renderer = w.fig.canvas.get_renderer()
         to_px = w.ax.transData.transform
         roof = to_px(np.column_stack(w.roof.get_data()))
