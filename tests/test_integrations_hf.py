@@ -13,17 +13,16 @@ course's error against a float32 SDPA run must stay within ``BF16_ERROR_FACTOR``
 from __future__ import annotations
 
 import copy
+import importlib
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import course_lib
 from course_lib.platform import runtime
 from course_lib.teaching.checks import TOLERANCES
-from course_lib.integrations import hf
 from course_lib.kernels import api
 from course_lib.kernels import decoding as kdec
 
@@ -32,6 +31,20 @@ pytestmark = pytest.mark.ch12
 # The comparisons run where the session runs kernels: the interpreter on CPU, or natively on CUDA
 # (still in float32 there, with the same tolerances).
 DEVICE = runtime.current().device
+
+class _Lazy:
+    """A module imported on its first use: transformers costs ~3 s of CPU to import, and every
+    test worker collects this file, but only the one that runs it needs it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+transformers = _Lazy("transformers")
+hf = _Lazy("course_lib.integrations.hf")
 # Small enough for the interpreter (each kernel call ~0.2 s on one CPU core), large enough for GQA
 # (4 query heads, 2 K/V heads), two layers and a head dim the kernels take (>= 16).
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,10 +58,19 @@ NEW_TOKENS = 4  # greedy tokens generated
 # low precision: flash-attn's tests hold its kernels to the same factor (tests/test_flash_attn.py).
 BF16_ERROR_FACTOR = 2
 
-SLIDING = {
-    "qwen2": (Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
-    "mistral": (MistralConfig, dict(sliding_window=WINDOW)),
+SLIDING = {  # family: the name of its transformers config class, and the window's settings
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
 }
+
+
+def _config(family: str, **changes):
+    """The tiny config of ``family``: "llama", or one of :data:`SLIDING` with its window
+    (``changes``: settings changed from those)."""
+    if family == "llama":
+        return transformers.LlamaConfig(**TINY, **changes)
+    name, extra = SLIDING[family]
+    return getattr(transformers, name)(**TINY, **{**extra, **changes})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,12 +78,13 @@ def course_name():
     return hf.register()
 
 
-def _models(config, device=DEVICE, dtype=torch.float32, name=hf.DEFAULT_NAME):
+def _models(config, device=DEVICE, dtype=torch.float32, name=None):
     """``(sdpa_model, course_model)``: the same random weights, in eval mode. Each gets its own copy
     of the config (``from_config`` writes the implementation into the config it is given)."""
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-    mine = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    mine = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                         attn_implementation=name or hf.DEFAULT_NAME)
     mine.load_state_dict(ref.state_dict())
     return (ref.to(device, dtype).eval(), mine.to(device, dtype).eval())
 
@@ -102,7 +125,7 @@ def _count_calls(monkeypatch, module, name: str) -> list:
 
 
 def test_logits_match_sdpa_with_padding_on_both_sides(monkeypatch):
-    ref, mine = _models(LlamaConfig(**TINY))
+    ref, mine = _models(transformers.LlamaConfig(**TINY))
     ids, mask = _batch()
     varlen = _count_calls(monkeypatch, api, "flash_attention_varlen")  # what course_lib.* names
     with torch.no_grad():
@@ -113,7 +136,7 @@ def test_logits_match_sdpa_with_padding_on_both_sides(monkeypatch):
 
 
 def test_logits_match_sdpa_without_padding(monkeypatch):
-    ref, mine = _models(LlamaConfig(**TINY))
+    ref, mine = _models(transformers.LlamaConfig(**TINY))
     ids, _ = _batch()
     dense = _count_calls(monkeypatch, api, "flash_attention")
     with torch.no_grad():
@@ -123,7 +146,7 @@ def test_logits_match_sdpa_without_padding(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["flash_attention", "varlen"])
 def test_gradients_match_sdpa(padded):
-    ref, mine = _models(LlamaConfig(**TINY))
+    ref, mine = _models(transformers.LlamaConfig(**TINY))
     ids, mask = _batch(PROMPTS if padded else PROMPTS[:1])
     labels = ids.masked_fill(mask == 0, -100)  # the loss counts real tokens only
     for model in (ref, mine):
@@ -137,7 +160,7 @@ def test_gradients_match_sdpa(padded):
 @pytest.mark.parametrize("padded, cache", [(False, "dynamic"), (True, "dynamic"), (False, "static")],
                          ids=["one prompt: flash-decoding", "left-padded batch: varlen", "static cache"])
 def test_greedy_generation_matches_sdpa(monkeypatch, padded, cache):
-    ref, mine = _models(LlamaConfig(**TINY))
+    ref, mine = _models(transformers.LlamaConfig(**TINY))
     ids, mask = _batch(PROMPTS[:2]) if padded else _batch(PROMPTS[:1])
     decode = _count_calls(monkeypatch, kdec, "flash_decode_triton")
     kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=TINY["pad_token_id"],
@@ -151,15 +174,14 @@ def test_greedy_generation_matches_sdpa(monkeypatch, padded, cache):
 
 @pytest.mark.parametrize("family", sorted(SLIDING))
 def test_sliding_window_matches_sdpa(family):
-    config_class, extra = SLIDING[family]
-    ref, mine = _models(config_class(**TINY, **extra))
+    ref, mine = _models(_config(family))
     ids, mask = _batch(PROMPTS[:2])
     real = mask.bool()
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
         _assert_close(mine(ids, attention_mask=mask).logits[real], want[real], "logits on real tokens")
         _assert_close(mine(ids).logits, ref(ids).logits, "logits without padding")
-        full, _ = _models(config_class(**TINY, **{**extra, "sliding_window": None}))
+        full, _ = _models(_config(family, sliding_window=None))
         assert not torch.allclose(full(ids, attention_mask=mask).logits[real], want[real]), \
             "the window must cut keys off at this length, or the comparison proves nothing"
     kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=TINY["pad_token_id"])
@@ -194,7 +216,7 @@ def test_queries_at_the_end_of_the_keys_match_sdpa(n_q, causal):
 
 def _tiny_llama(**extra):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY, **extra),
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY, **extra),
                                             attn_implementation=hf.DEFAULT_NAME).to(DEVICE)
 
 
@@ -215,8 +237,8 @@ def test_dropout_in_training_is_refused():
 
 def test_softcapping_is_refused():
     torch.manual_seed(0)
-    config = Gemma2Config(**TINY, sliding_window=WINDOW, attn_logit_softcapping=50.0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=hf.DEFAULT_NAME).to(DEVICE)
+    config = transformers.Gemma2Config(**TINY, sliding_window=WINDOW, attn_logit_softcapping=50.0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf.DEFAULT_NAME).to(DEVICE)
     with pytest.raises(NotImplementedError, match="softcapping"):
         model(_batch()[0])
 
@@ -279,7 +301,7 @@ def test_a_learners_attention_is_called_and_matches_sdpa():
         return course_lib.flash_attention(q, k, v, causal=causal, scale=scale)
 
     name = hf.register("course_learner", attention=learner)
-    ref, mine = _models(LlamaConfig(**TINY), name=name)
+    ref, mine = _models(transformers.LlamaConfig(**TINY), name=name)
     ids, mask = _batch()
     with torch.no_grad():
         want, got = ref(ids, attention_mask=mask).logits, mine(ids, attention_mask=mask).logits
@@ -303,22 +325,22 @@ def test_a_wrong_learners_attention_is_caught():
         return course_lib.flash_attention(q, k, v, causal=causal, scale=scale).transpose(1, 2)
 
     ids, _ = _batch()
-    ref, wrong = _models(LlamaConfig(**TINY), name=hf.register("course_wrong", attention=forgets_causal))
+    ref, wrong = _models(transformers.LlamaConfig(**TINY), name=hf.register("course_wrong", attention=forgets_causal))
     with torch.no_grad():
         assert not torch.allclose(wrong(ids).logits, ref(ids).logits, atol=1e-3), "the comparison must catch it"
-    _, bad_shape = _models(LlamaConfig(**TINY), name=hf.register("course_bad_shape", attention=wrong_layout))
+    _, bad_shape = _models(transformers.LlamaConfig(**TINY), name=hf.register("course_bad_shape", attention=wrong_layout))
     with pytest.raises(ValueError, match=r"attention must return o shaped like q"):
         bad_shape(ids)
     name = hf.register("course_no_window", attention=lambda q, k, v, causal, scale: course_lib.flash_attention(
         q, k, v, causal=causal, scale=scale))
-    _, windowed = _models(SLIDING["mistral"][0](**TINY, **SLIDING["mistral"][1]), name=name)
+    _, windowed = _models(_config("mistral"), name=name)
     with pytest.raises(NotImplementedError, match="sliding window"):
         windowed(ids)
 
 
 def test_register_checks_its_arguments():
     assert hf.register() == hf.DEFAULT_NAME
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY), attn_implementation="sdpa")
     model.set_attn_implementation(hf.DEFAULT_NAME)
     assert model.config._attn_implementation == hf.DEFAULT_NAME
     with pytest.raises(ValueError, match="transformers' own"):
@@ -341,7 +363,7 @@ def _error(model, ids, mask, want) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", *sorted(SLIDING)])
 def test_gpu_bf16_logits_within_sdpas_error(family):
-    config = LlamaConfig(**TINY) if family == "llama" else SLIDING[family][0](**TINY, **SLIDING[family][1])
+    config = _config(family)
     exact, _ = _models(config, "cuda", torch.float32)
     ref, mine = _models(config, "cuda", torch.bfloat16)
     ids, mask = _batch(device="cuda")
@@ -353,8 +375,8 @@ def test_gpu_bf16_logits_within_sdpas_error(family):
 
 @pytest.mark.gpu
 def test_gpu_bf16_gradients_within_sdpas_error():
-    exact, _ = _models(LlamaConfig(**TINY), "cuda", torch.float32)
-    ref, mine = _models(LlamaConfig(**TINY), "cuda", torch.bfloat16)
+    exact, _ = _models(transformers.LlamaConfig(**TINY), "cuda", torch.float32)
+    ref, mine = _models(transformers.LlamaConfig(**TINY), "cuda", torch.bfloat16)
     ids, mask = _batch(device="cuda")
     labels = ids.masked_fill(mask == 0, -100)
     for model in (exact, ref, mine):
@@ -370,7 +392,7 @@ def test_gpu_bf16_gradients_within_sdpas_error():
 def test_gpu_bf16_greedy_generation_is_sdpas_up_to_near_ties(monkeypatch):
     """Each token the course picks is SDPA's pick, or one whose SDPA logit is within the two
     implementations' own logit difference of SDPA's best (a near tie that rounding may flip)."""
-    ref, mine = _models(LlamaConfig(**TINY), "cuda", torch.bfloat16)
+    ref, mine = _models(transformers.LlamaConfig(**TINY), "cuda", torch.bfloat16)
     ids, mask = _batch(PROMPTS[:2], device="cuda")
     decode = _count_calls(monkeypatch, kdec, "flash_decode_triton")
     got = mine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
