@@ -435,3 +435,20 @@ def test_a_cause_is_named_only_when_one_model_fits_every_case():
                        mistakes=twins)
     msg = str(info.value)
     assert "likely cause" not in msg and "does not tell them apart" in msg
+
+
+def test_numpy_broadcasting_error_of_a_missing_trailing_axis_gets_its_hint():
+    cases = [Case((np.ones((2, 3)), np.ones((2, 3, 4))))]
+
+    def reference(w, o):
+        return w[..., None] * o
+
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 0.0", lambda w, o: w * o, reference, cases)
+    assert ("hint: shape (2, 3) is shape (2, 3, 4) without its last axis: NumPy lines shapes up "
+            "from the right, so 3 meets 4 — give the (2, 3) operand a trailing axis of 1 "
+            "([..., None], shape (2, 3, 1))") in str(info.value), str(info.value)
+    # shapes that differ otherwise: NumPy's error alone, no hint
+    with pytest.raises(ExerciseFailed) as info:
+        check_function("Exercise 0.0", lambda w, o: w.T * o, reference, cases)
+    assert "hint: shape" not in str(info.value)

@@ -632,3 +632,63 @@ def test_a_wrong_answer_quotes_how_its_other_cases_crashed():
     text = str(info.value)
     assert "(also wrong on case 2 (crashed); right on 0 of 2)" in text, text
     assert "case 2 crashed: ValueError: boom on six" in text, text
+
+
+def test_a_single_number_where_an_array_belongs_is_told_as_a_reduction_over_every_axis():
+    o, do = np.arange(12.0).reshape(4, 3), np.ones((4, 3))
+    want = (o * do).sum(axis=-1)
+    text = evidence([outcome(1, WRONG, got=np.float64((o * do).sum()), want=want,
+                             inputs={"o": o, "do": do})])
+    assert "one number, the sum of every element of the right output (shape (4,))" in text, text
+    # a number that is no reduction of the right values: nothing said about it
+    assert "one number" not in evidence([outcome(1, WRONG, got=np.float64(-7.5), want=want,
+                                                 inputs={"o": o, "do": do})])
+
+
+def test_a_kept_axis_of_size_1_on_a_vector_output_is_told_not_lost():
+    # (N, 1) for (N,): the transpose test used to raise on the 1-D expected value, so no evidence
+    want = np.arange(5.0)
+    text = evidence([outcome(1, WRONG, got=want[:, None], want=want, inputs={"o": np.ones((5, 3))})])
+    assert "has shape (5, 1) for (5,): an axis of size 1 too many (a reduction with keepdims=True" \
+        in text and "its values are right" in text, text
+
+
+def test_two_swapped_axes_are_named_by_what_they_index():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 2, 9, 4))
+    lse = rng.standard_normal((2, 2, 9))
+    inputs = {"q": q, "k": q, "v": q, "causal": False, "scale": None}
+    text = evidence([outcome(1, WRONG, got=np.swapaxes(lse, 0, 1).copy(), want=lse, inputs=inputs)])
+    assert ("holds the right values with its batch element and head axes swapped (axes 0 and 1, "
+            "both of size 2)") in text, text
+    # the last two axes swapped is a transpose, said as such
+    m = rng.standard_normal((3, 4, 4))
+    assert "transposed" in evidence([outcome(1, WRONG, got=np.swapaxes(m, 1, 2).copy(), want=m)])
+
+
+def test_the_default_scale_is_named_only_when_its_experiment_passes():
+    q = np.zeros((1, 6, 4))
+    default = diagnosis.derive_features({"q": q, "k": q, "v": q, "scale": None})
+    given = diagnosis.derive_features({"q": q, "k": q, "v": q, "scale": 0.3})
+    assert default[diagnosis.DEFAULT_SCALE] and not given[diagnosis.DEFAULT_SCALE]
+    out = [outcome(1, WRONG, default), outcome(2, WRONG, default), outcome(3, RIGHT, given),
+           outcome(4, RIGHT, given)]
+    assert "default scale" not in evidence(out)  # most cases leave the scale alone: no evidence
+    assert "default scale" not in evidence(out, experiments={diagnosis.DEFAULT_SCALE: False})
+    text = evidence(out, experiments={diagnosis.DEFAULT_SCALE: True})
+    assert ("fails exactly on the cases with the default scale (scale=None) (cases 1 and 2); right "
+            "on every other case, and case 1 passes when only that is changed (the same scale, "
+            "1/√d, passed explicitly)") in text, text
+    changed = diagnosis.toggle(diagnosis.DEFAULT_SCALE, {"q": q, "k": q, "v": q, "scale": None})
+    assert changed["scale"] == 0.5
+
+
+def test_right_values_in_float64_where_float32_belongs_are_told_where_float64_comes_from():
+    want = np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3)
+    text = evidence([outcome(1, WRONG, got=(want.astype(np.float64), want),
+                             want=(want, want))], names=("dq", "dk"))
+    assert ("`dq` holds the right values, in float64 where float32 is expected: an array made "
+            "without a dtype is float64") in text, text
+    # another float format (a cast to the wrong one) is not told as a missing dtype
+    text = evidence([outcome(1, WRONG, got=want.astype(np.float16), want=want)])
+    assert "made without a dtype" not in text

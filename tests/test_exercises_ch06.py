@@ -542,3 +542,28 @@ def test_forward_mistake_without_a_model_still_gets_row_and_tile(tmp_path):
     answer = _learner_module(tmp_path, [("v = tl.load(v_head", "v = tl.load(k_head")],
                              name="v_from_k")
     _judged(ch06.check_forward_kernel, (answer.flash_forward,), None, "on case 1 of 6")
+
+
+def _pairs_written(shape, written):
+    """A (B, H, N_q[, d]) output holding the sentinel except in the (batch, head) pairs listed."""
+    x = torch.full(shape, kernel_checks.OUTPUT_SENTINEL)
+    for b, h in written:
+        x[b, h] = 0.0
+    return x
+
+
+def test_only_the_first_pair_written_is_told_from_what_the_other_output_shows():
+    o_all = _pairs_written((2, 2, 5, 4), [(b, h) for b in range(2) for h in range(2)])
+    o_first, lse_first = _pairs_written((2, 2, 5, 4), [(0, 0)]), _pairs_written((2, 2, 5), [(0, 0)])
+    # o complete, lse only at (0, 0): lse's offset ignores the (batch, head)
+    only = {"o": ch06._only_first_pair(o_all), "lse": ch06._only_first_pair(lse_first)}
+    text = str(ch06._unwritten("lse", lse_first, 4, ch06._pair_note("lse", "o", only)))
+    assert ("o was written for every (batch, head), so a program ran for each: lse's offset does "
+            "not move with the (batch, head)") in text, text
+    # both only at (0, 0): the programs of the other pairs never acted as such
+    only = {"o": ch06._only_first_pair(o_first), "lse": ch06._only_first_pair(lse_first)}
+    text = str(ch06._unwritten("o", o_first, 4, ch06._pair_note("o", "lse", only)))
+    assert "only (batch 0, head 0) was written, in o and lse alike" in text, text
+    # another pair written as well: no note
+    two = _pairs_written((2, 2, 5), [(0, 0), (1, 0)])
+    assert not ch06._only_first_pair(two) and ch06._pair_note("lse", "o", {"lse": False}) == ""

@@ -277,6 +277,15 @@ def step_forgot_mask(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=No
     return tb.dk_dv_step(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, None)
 
 
+def step_mask_inverted(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
+    s = scale * q_i @ k_j.T
+    if mask is not None:
+        s = np.where(mask, -np.inf, s)  # the visible entries hidden
+    p = np.exp(s - lse_i[:, None])
+    ds = p * (do_i @ v_j.T - d_i[:, None])
+    return dk_j + scale * ds.T @ q_i, dv_j + p.T @ do_i
+
+
 def step_overwrites(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None):
     p = _p(q_i, k_j, lse_i, scale, mask)
     ds = p * (do_i @ v_j.T - d_i[:, None])
@@ -351,6 +360,7 @@ def test_dk_dv_step_correct_answers_pass(fn):
     (step_d_from_p, "D was recomputed from this tile's P ∘ dP"),
     (step_tile_softmax, "P was rebuilt with a softmax over this tile alone"),
     (step_forgot_mask, "the causal mask is not applied"),
+    (step_mask_inverted, "the mask is applied the other way round"),
     (step_overwrites, "the accumulators are overwritten"),
     (step_dk_uses_ds, "dK uses dS instead of dSᵀ"),
     (step_swapped_outputs, None),
@@ -442,6 +452,9 @@ def learner_backward(q, k, v, o, lse, do, causal, scale, block_m, block_n, bug=N
             rows = np.arange(i * block_m, min((i + 1) * block_m, n_q))
             if bug == "skip_by_index":
                 if causal and j > i:
+                    continue
+            elif bug == "skip_straddling":
+                if causal and rows[0] < cols[0]:
                     continue
             elif causal and rows[-1] < cols[0]:
                 continue
@@ -580,6 +593,7 @@ def test_flash_backward_that_computes_hidden_tiles_is_rejected(fn, line):
     ("tril", "the causal mask is the tile's own lower triangle"),
     ("ds_sign", "the sign of dS is flipped"),
     ("dkdv_assign", "dk_j, dv_j are overwritten in the Q loop"),
+    ("skip_straddling", "tiles that straddle the diagonal are skipped too"),
     ("dv_from_o", None),
 ])
 def test_flash_backward_mistakes_are_rejected(bug, cause):

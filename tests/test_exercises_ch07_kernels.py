@@ -531,6 +531,14 @@ class DefaultScale(GoodFunction):
                                       q.shape[-1] ** -0.5), None, None)
 
 
+class KVSwapped(GoodFunction):
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*ch07.launch_backward(*learner_kernels(), q, v, k, o, lse, do, ctx.causal,
+                                      ctx.scale), None, None)
+
+
 class StubFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
@@ -584,6 +592,7 @@ def test_autograd_function_stub_falls_back_to_the_library(capsys):
     (SavesReshapedO, "the o saved for backward is not laid out like the forward's"),
     (ForgetsCausal, "backward ignores causal"),
     (DefaultScale, "backward uses 1/√d instead of the forward's scale"),
+    (KVSwapped, "k and v are exchanged in the call to launch_backward"),
 ])
 def test_autograd_function_mistakes_are_rejected(fn_cls, cause):
     assert_rejected(ch07.check_autograd_function, fn_cls, cause)

@@ -248,7 +248,8 @@ def _head_corpus():
         (lambda h, n, nkv: h % (n // nkv), one(c, "h % group gives")),
         (lambda h, n, nkv: h * (n // nkv), one(c, "h * group maps")),
         (lambda h, n, nkv: np.floor(h / (n // nkv)), None),  # float indices
-        (lambda h, n, nkv: np.round(h / (n // nkv)).astype(h.dtype), None),
+        (lambda h, n, nkv: np.round(h / (n // nkv)).astype(h.dtype), one(c, "the group is rounded")),
+        (lambda h, n, nkv: (h + 1) // (n // nkv), one(c, "(h + 1) // group")),
         (lambda h, n, nkv: (nkv - 1) - h // (n // nkv), None),
         (lambda h, n, nkv: h // (n // nkv + 1), None),
         (lambda h, n, nkv: h >> 1, None),

@@ -144,8 +144,9 @@ def _tile_corpus():
         (lambda m, bm, bn: _loops(m, bm, bn, partial_any=True), one(c, "every visited tile is")),
         (lambda m, bm, bn: _loops(m, bm, bn, compact=False), one(c, "the listed tiles stay")),
         (lambda m, bm, bn: _loops(m, bm, bn, only_full=True), one(c, "only full tiles are")),
-        # the partial flags inverted: no model for it
-        (lambda m, bm, bn: (lambda n, i, p: (n, i, ~p))(*_loops(m, bm, bn)), None),
+        # the partial flags inverted (the padding past kv_num_blocks too: it may hold anything)
+        (lambda m, bm, bn: (lambda n, i, p: (n, i, ~p))(*_loops(m, bm, bn)),
+         one(c, "the partial flag is inverted")),
         # kv_num_blocks off by one (counts from 1)
         (lambda m, bm, bn: (lambda n, i, p: (n + 1, i, p))(*_loops(m, bm, bn)), None),
         # T_c taken from N_q (a square-mask habit)

@@ -241,16 +241,57 @@ def overlapping_blocks_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def test_a_guard_tells_which_elements_each_program_stored():
-    x, y = torch.randn(40), torch.empty(40)
+def _copy_under_guard(kernel, n: int, programs: int, block: int):
+    """Run a 1-D copy ``kernel`` of n elements on ``programs`` programs under a guard; returns
+    the guard, x and y."""
+    x, y = torch.randn(n), torch.empty(n)
     with memory_guard() as guard:
         guard.allow("x", x)
         guard.allow("y", y, write=True)
-        overlapping_blocks_kernel[(3,)](x, y, 40, BLOCK=8)
+        kernel[(programs,)](x, y, n, BLOCK=block)
+    return guard, x, y
+
+
+def test_a_guard_tells_which_elements_each_program_stored():
+    guard, x, y = _copy_under_guard(overlapping_blocks_kernel, 40, 3, 8)
     text = guard.coverage("y", y)
     assert "program 0: 8 element(s), 0–7; program 1: 8 element(s), 1–8; program 2" in text, text
     assert "consecutive programs' first elements are 1 element(s) apart" in text
     assert guard.coverage("x", x) == "no program stored anything into `x`"
+
+
+@triton.jit
+def same_block_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # axis 1 of a 1-D grid: 0 everywhere
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_a_guard_tells_that_every_program_stored_the_same_elements_and_which_id_is_constant():
+    guard, _, y = _copy_under_guard(same_block_kernel, 24, 3, 8)
+    text = guard.coverage("y", y)
+    assert ("all 3 programs stored the same elements: the offsets do not change with the program "
+            "id (the programs differ only in tl.program_id(0); tl.program_id(1) and "
+            "tl.program_id(2) are the same in every one: 0, 0)") in text, text
+
+
+@triton.jit
+def swapped_ids_kernel(y_ptr, n_rows, n_cols, BLOCK: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the row block from axis 1
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], 1.0, mask=mask)
+
+
+def test_a_guard_tells_that_the_stored_tiles_follow_the_program_ids_the_other_way_round():
+    y = torch.empty(12, 8)
+    with memory_guard() as guard:
+        guard.allow("y", y, write=True)
+        swapped_ids_kernel[(3, 2)](y, 12, 8, BLOCK=4)  # the grid (row blocks, column blocks)
+    assert ("each program's tile sits at row block tl.program_id(1) and column block "
+            "tl.program_id(0)") in guard.coverage("y", y)
+    # the tiles where the ids say, or no single pattern: nothing said
+    assert kernel_checks._tiles_by_swapped_ids({(0, 0): (0, 0), (1, 0): (4, 0), (0, 1): (0, 4)}) == ""
+    assert kernel_checks._tiles_by_swapped_ids({(0, 0): (0, 0), (1, 1): (4, 0)}) == ""
 
 
 @triton.jit

@@ -860,7 +860,31 @@ def _crash_diagnosis(exercise: str, subject: str, where: str, exc: BaseException
                 f"  {_short_error(exc)}",
                 "  KeyboardInterrupt means \"stop everything\" (it is what the Interrupt button "
                 "sends); to report a problem, raise an ordinary exception such as ValueError"]
-    return [f"✗ {exercise}: {subject} raised{where}", f"  {_short_error(exc)}"]
+    hint = _broadcast_hint(exc)
+    return [f"✗ {exercise}: {subject} raised{where}", f"  {_short_error(exc)}",
+            *([f"  {hint}"] if hint else [])]
+
+
+_NUMPY_BROADCAST = re.compile(r"could not be broadcast together with shapes \(([\d, ]*)\) "
+                              r"\(([\d, ]*)\)")
+
+
+def _broadcast_hint(exc: BaseException) -> str | None:
+    """What NumPy's broadcasting error says when one operand's shape is the other's without
+    its last axis (weights per row meeting rows of d values): broadcasting lines shapes up from
+    the right, so the shorter one needs a trailing axis of 1."""
+    found = _NUMPY_BROADCAST.search(str(exc)) if isinstance(exc, ValueError) else None
+    if found is None:
+        return None
+    a, b = (tuple(int(n) for n in text.replace(" ", "").split(",") if n)
+            for text in found.groups())
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    if len(long_) != len(short) + 1 or long_[:-1] != short or long_[-1] == 1:
+        return None
+    return (f"hint: shape {short} is shape {long_} without its last axis: NumPy lines shapes up "
+            f"from the right, so {short[-1]} meets {long_[-1]} — give the {short} operand a "
+            f"trailing axis of 1 ([..., None], shape {short + (1,)}) so it broadcasts over the "
+            f"last")
 
 
 def check_function(

@@ -249,6 +249,7 @@ def derive_features(inputs: dict) -> dict:
             given = inputs.get("scale")
             feats["a scale other than 1/√d"] = (given is not None and not isinstance(given, bool)
                                                and not math.isclose(float(given), d ** -0.5))
+            feats[DEFAULT_SCALE] = given is None
         scored = _scores(inputs)
         if scored is not None:
             s, visible = scored
@@ -376,6 +377,8 @@ def separating(outcomes: Sequence[Outcome], absences: bool = False) -> list[tupl
             continue
         if (value is False or value is np.False_) and not (absences and feature in _ON):
             continue
+        if feature in _TESTED_ONLY and not absences:
+            continue
         if len(bad) == 1 and not isinstance(value, (bool, np.bool_, str)):
             continue  # one failing case has a number of its own by chance: no evidence
         if any(_key(o.features.get(feature, _ABSENT)) == _key(value) for o in good):
@@ -403,7 +406,7 @@ def toggle(feature: str, inputs: dict, on: bool = False) -> dict | None:
         k, block_k = _matmul_k(inputs)
         return {**inputs, "block_k": max(16, 1 << (k - 1).bit_length())}
     shapes = attention_shapes(inputs)
-    if feature == "a scale other than 1/√d" and shapes is not None:
+    if feature in ("a scale other than 1/√d", DEFAULT_SCALE) and shapes is not None:
         return {**inputs, "scale": shapes["d"] ** -0.5}
     if feature in ("several heads", "several batch elements") and shapes is not None:
         q = shapes["q"]
@@ -431,6 +434,12 @@ def toggle(feature: str, inputs: dict, on: bool = False) -> dict | None:
 
 # Absences an experiment can switch on, and how the message says the switch.
 _ON = {"a causal mask": "causal=True"}
+# A case that leaves the scale to its default (scale=None).
+DEFAULT_SCALE = "the default scale (scale=None)"
+# Features that are evidence only through an experiment: the default scale is what most cases
+# of an exercise share by design, so only passing with the same scale given explicitly (the
+# answer's own default is then never used) singles it out.
+_TESTED_ONLY = {DEFAULT_SCALE: "the same scale, 1/√d, passed explicitly"}
 
 
 def _matmul_k(inputs: dict) -> tuple[int, int] | None:
@@ -461,13 +470,14 @@ def _contrast(outcomes, first, names, experiments) -> list[str]:
         return []
     found = separating(outcomes)
     switched_on = [f for f, v in separating(outcomes, absences=True)
-                   if v is False and experiments.get(f)]
+                   if (v is False or f in _TESTED_ONLY) and experiments.get(f)]
     if switched_on and not any(experiments.get(f) for f, _ in found):
         feature = switched_on[0]
+        value = feature in _TESTED_ONLY
         return [f"{verb} exactly on the case{'s' if len(bad) > 1 else ''} "
-                f"{_phrase(feature, False)} (case{'s' if len(bad) > 1 else ''} {_numbers(bad)}); "
+                f"{_phrase(feature, value)} (case{'s' if len(bad) > 1 else ''} {_numbers(bad)}); "
                 f"right on every other case, and case {first.n} passes when only that is "
-                f"changed ({_ON[feature]})"]
+                f"changed ({_TESTED_ONLY[feature] if value else _ON[feature]})"]
     tested = [f for f, _ in found if experiments.get(f)]
     if not tested and any(experiments.get(f) is False for f, _ in found):
         return []  # a feature that sets them apart did not matter alone: nothing singled out
@@ -820,6 +830,9 @@ def _transform_of(o: Outcome, label: str, g: np.ndarray, w: np.ndarray) -> str |
     if g.ndim >= 2 and g.shape[-1] == g.shape[-2] and g.shape[-1] > 1 and \
             np.isclose(g, np.swapaxes(w, -1, -2), atol=atol, rtol=rtol, equal_nan=True).all():
         return f"{label} is the right one transposed (its last two axes swapped)"
+    swapped = _swapped_axes(g, w, atol, rtol, o.inputs)
+    if swapped:
+        return f"{label} holds the right values with {swapped}"
     perm = _permutation(g, w, atol, rtol, o.inputs)
     if perm:
         return f"{label} holds the right values in another order: {perm}"
@@ -863,6 +876,24 @@ def _permutation(g, w, atol, rtol, inputs) -> str | None:
                 what = names[axis] if axis < len(names) else f"axis {axis}"
                 return (f"along the {what} axis (size {n}), your index i holds the right index "
                         f"π(i): {', '.join(moved)}")
+    return None
+
+
+def _swapped_axes(g, w, atol, rtol, inputs) -> str | None:
+    """Which two axes of equal length (other than the last two: that is a transpose) the
+    answer has exchanged, when ``g`` is ``w`` with exactly those two swapped; else None."""
+    names = _axis_names(g.shape, inputs)
+    for a in range(g.ndim):
+        for b in range(a + 1, g.ndim):
+            if g.shape[a] != g.shape[b] or g.shape[a] < 2 or (a, b) == (g.ndim - 2, g.ndim - 1):
+                continue
+            if np.isclose(g, np.swapaxes(w, a, b), atol=atol, rtol=rtol, equal_nan=True).all():
+                what_a = names[a] if a < len(names) else f"axis {a}"
+                what_b = names[b] if b < len(names) else f"axis {b}"
+                return (f"its {what_a} and {what_b} axes swapped (axes {a} and {b}, both of "
+                        f"size {g.shape[a]}): its ({what_a} i, {what_b} j) holds the right "
+                        f"({what_a} j, {what_b} i) — the two indices are computed the other "
+                        f"way round")
     return None
 
 
@@ -912,7 +943,33 @@ def _transforms(outcomes, first, names) -> list[str]:
         lines += [f"on case {first.n}, {text}" for text in _float_for_int(first, names)]
     if not lines:  # flags negated, indices shifted by one constant
         lines += [f"on case {first.n}, {text}" for text in _discrete_transforms(first, names)]
+    if not lines:  # the right values in another floating-point dtype
+        lines += [f"on case {first.n}, {text}" for text in _other_float_dtype(first, names)]
     return lines[:2]
+
+
+def _other_float_dtype(o: Outcome, names) -> list[str]:
+    """Floating-point parts whose values are right but in float64 where a narrower float is
+    expected: said with where such a float64 usually comes from (an array made without a
+    dtype). Another dtype (a cast to the wrong format) is left to the headline, which names
+    the expected one."""
+    got_map = dict(parts(o.got, names)) if isinstance(o.want, (tuple, list)) else \
+        {"the output": o.got}
+    found = []
+    for label, w in parts(o.want, names):
+        g = got_map.get(label)
+        if g is None or not (_is_array(g) and _is_array(w)) or _kind(w) != "f" or \
+                _dtype_of(g) != "float64" or _dtype_of(w) == "float64":
+            continue
+        g64, w64 = _as64(g), _as64(w)
+        if g64 is None or w64 is None or g64.shape != w64.shape or \
+                not _close(g64, w64, *o.tolerance).all():
+            continue
+        found.append(f"{label} holds the right values, in float64 where {_dtype_of(w)} is "
+                     f"expected: an array made without a dtype is float64 whatever the inputs "
+                     f"are (np.zeros(shape), np.empty(shape)) — make it like the inputs "
+                     f"(np.zeros_like(x), or dtype=x.dtype)")
+    return found
 
 
 def _discrete_transforms(o: Outcome, names) -> list[str]:
@@ -982,13 +1039,17 @@ def _shape_story(label: str, g: np.ndarray, w: np.ndarray, o: Outcome) -> str | 
     length that is a size of the inputs (an axis of another input dim, a tile count rounded
     down, a length cut to a multiple of the tile)."""
     atol, rtol = o.tolerance
-    if g.ndim >= 2 and g.shape == np.swapaxes(w, -1, -2).shape and g.shape != w.shape and \
+    if g.ndim >= 2 and w.ndim >= 2 and g.shape == np.swapaxes(w, -1, -2).shape and \
+            g.shape != w.shape and \
             np.isclose(g, np.swapaxes(w, -1, -2), atol=atol, rtol=rtol, equal_nan=True).all():
         return f"{label} is the right one transposed (shape {g.shape} for {w.shape})"
+    if g.ndim == 0 and w.size > 1:
+        return _reduced_everywhere(label, float(g), w, atol, rtol)
     if g.size == w.size and g.ndim != w.ndim and \
             tuple(n for n in g.shape if n != 1) == tuple(n for n in w.shape if n != 1):
         same = bool(np.isclose(g.reshape(w.shape), w, atol=atol, rtol=rtol, equal_nan=True).all())
-        how = ("an axis of size 1 too many" if g.ndim > w.ndim else
+        how = ("an axis of size 1 too many (a reduction with keepdims=True or keepdim=True, or "
+               "a [..., None], keeps or adds it)" if g.ndim > w.ndim else
                "an axis of size 1 missing (keepdims=True, keepdim=True or [..., None] keeps it)")
         return (f"{label} has shape {g.shape} for {w.shape}: {how}"
                 + ("; its values are right" if same else ""))
@@ -1004,6 +1065,25 @@ def _shape_story(label: str, g: np.ndarray, w: np.ndarray, o: Outcome) -> str | 
             return None  # one axis unexplained: say nothing rather than half a story
         said.append(f"axis {axis} has {got_n} where {want_n} is expected: {story}")
     return f"{label} {'; '.join(said)}" if said else None
+
+
+# The reductions a single number handed back for an array is compared with, by name.
+_REDUCTIONS = (("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min))
+
+
+def _reduced_everywhere(label: str, got: float, w: np.ndarray, atol: float,
+                        rtol: float) -> str | None:
+    """A single number where an array belongs, said when it is one reduction of every element
+    of the right output (a sum, mean, max or min without its ``axis``); else None."""
+    if not np.isfinite(w).all():
+        return None
+    named = [name for name, reduce in _REDUCTIONS
+             if np.isclose(got, float(reduce(w)), atol=atol * w.size, rtol=rtol)]
+    if len(named) != 1:
+        return None
+    return (f"{label} is one number, the {named[0]} of every element of the right output "
+            f"(shape {w.shape}): the reduction ran over every axis — give it the axis it "
+            f"reduces (axis=…, dim=…) so the others stay")
 
 
 def _input_sizes(inputs: dict) -> dict[str, int]:

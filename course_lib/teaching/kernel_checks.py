@@ -272,6 +272,25 @@ class _Region:
         return self.storage[0] <= address < self.storage[1]
 
 
+def _tiles_by_swapped_ids(first: dict) -> str:
+    """The clause saying that the tiles of a 2-D output the programs stored (``{program: its
+    first element (row, column)}``) sit at row block = program id 1 and column block = program
+    id 0 (each block numbered by its place among the rows, the columns, that were stored), and
+    not the other way round; "" when they do not."""
+    rows = sorted({r for r, _ in first.values()})
+    cols = sorted({c for _, c in first.values()})
+
+    def placed(row_axis: int, col_axis: int) -> bool:
+        return all(rows.index(r) == p[row_axis] and cols.index(c) == p[col_axis]
+                   for p, (r, c) in first.items())
+
+    if placed(0, 1) or not placed(1, 0):
+        return ""
+    return (" — each program's tile sits at row block tl.program_id(1) and column block "
+            "tl.program_id(0) (by the first element it stored): the two program ids are used "
+            "the other way round")
+
+
 class MemoryGuard:
     """The tensors a kernel launch may touch; see :func:`memory_guard`."""
 
@@ -325,10 +344,22 @@ class MemoryGuard:
             said += f"; … ({len(programs)} programs stored)"
         steps = set(np.diff(firsts).tolist())
         if len(programs) > 1 and all(np.array_equal(spans[p], spans[programs[0]]) for p in programs):
-            said += f" — all {len(programs)} programs stored the same elements"
+            said += (f" — all {len(programs)} programs stored the same elements: the offsets "
+                     f"do not change with the program id")
+            axes = range(len(programs[0]))
+            moving = [a for a in axes if len({p[a] for p in programs}) > 1]
+            still = [a for a in axes if a not in moving]
+            if moving and still:  # which ids a kernel could have read to get this
+                said += (f" (the programs differ only in "
+                         f"{' and '.join(f'tl.program_id({a})' for a in moving)}; "
+                         + " and ".join(f"tl.program_id({a})" for a in still)
+                         + f" {'is' if len(still) == 1 else 'are'} the same in every one: "
+                         + ", ".join(str(programs[0][a]) for a in still) + ")")
         elif len(programs) > 1 and len(steps) == 1:
             said += (f" — consecutive programs' first elements are {steps.pop()} element(s) "
                      f"apart")
+        elif len(shape) == 2 and len(programs) > 1 and used >= 2:
+            said += _tiles_by_swapped_ids({p: index(int(spans[p][0])) for p in programs})
         return said
 
     def allow(self, name: str, t: torch.Tensor, write: bool = False) -> torch.Tensor:

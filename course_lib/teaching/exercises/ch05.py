@@ -368,6 +368,26 @@ def _matmul_k_not_advanced(a, b, block_k=16, **_):
     return out.to(a.dtype)
 
 
+def _matmul_b_not_advanced(a, b, block_k=16, **_):
+    # A's pointers move along K, B's stay on B's first K tile (each step under its own mask)
+    a64, b64 = a.double(), b.double()
+    out = sum(a64[:, start:stop] @ b64[: stop - start] for start, stop in _k_tiles(a.shape[1], block_k))
+    return out.to(a.dtype)
+
+
+def _matmul_a_not_advanced(a, b, block_k=16, **_):
+    # B's pointers move along K, A's stay on A's first K tile
+    a64, b64 = a.double(), b.double()
+    out = sum(a64[:, : stop - start] @ b64[start:stop] for start, stop in _k_tiles(a.shape[1], block_k))
+    return out.to(a.dtype)
+
+
+def _matmul_k_floored(a, b, block_k=16, **_):
+    # K // BLOCK_K steps: the last, shorter K tile is never added
+    whole = a.shape[1] - a.shape[1] % block_k
+    return (a.double()[:, :whole] @ b.double()[:whole]).to(a.dtype)
+
+
 def _matmul_last_tile_only(a, b, block_k=16, **_):
     start, stop = _k_tiles(a.shape[1], block_k)[-1]
     return (a.double()[:, start:stop] @ b.double()[start:stop]).to(a.dtype)
@@ -400,6 +420,14 @@ def _matmul_acc_in_input_dtype(a, b, block_k=16, **_):
 MATMUL_MISTAKES = {
     "the K pointers never move: after each tl.dot advance them, a_ptrs += BLOCK_K * stride_ak "
     "and b_ptrs += BLOCK_K * stride_bk": _matmul_k_not_advanced,
+    "B's pointers never move along K (A's do): every step multiplies A's next K tile by B's "
+    "first one — advance both, b_ptrs += BLOCK_K * stride_bk after each tl.dot":
+        _matmul_b_not_advanced,
+    "A's pointers never move along K (B's do): every step multiplies A's first K tile by B's "
+    "next one — advance both, a_ptrs += BLOCK_K * stride_ak after each tl.dot":
+        _matmul_a_not_advanced,
+    "the K loop runs K // BLOCK_K times, so the last, shorter K tile is never added: loop "
+    "tl.cdiv(K, BLOCK_K) times (its mask keeps the tile inside K)": _matmul_k_floored,
     "acc = tl.dot(a, b) replaces the sum at every step: accumulate, acc = tl.dot(a, b, acc) "
     "(or acc += tl.dot(a, b))": _matmul_last_tile_only,
     "A's load masks its rows with N: rows go with M (offs_m[:, None] < M)":

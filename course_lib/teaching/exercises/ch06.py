@@ -308,6 +308,11 @@ def _mask_ragged_off_by_one(s, offs_n, n_k):
     return tl.where(offs_n[None, :] <= n_k, s, MASK_VALUE)
 
 
+@triton.jit
+def _mask_ragged_rows(s, offs_n, n_k):
+    return tl.where(offs_n[:, None] < n_k, s, MASK_VALUE)
+
+
 PADDED_KEYS_NOT_MASKED = ("the padded keys past N_k are not masked: load_tile reads them as 0, so "
                           "their scores are 0, not -inf, and each adds exp(0 - m) to l_i — "
                           "mask_ragged must set s to -inf (not 0) where offs_n >= n_k")
@@ -316,6 +321,9 @@ RAGGED_MISTAKES = {
     PADDED_KEYS_NOT_MASKED: (load_tile, _mask_ragged_none),
     "the ragged mask is off by one: key indices run 0 .. n_k - 1, keep offs_n < n_k":
         (load_tile, _mask_ragged_off_by_one),
+    "offs_n[:, None] puts the key indices down the rows (the queries): the mask hides whole "
+    "query rows and broadcasts only when BLOCK_M == BLOCK_N — the keys are the columns, "
+    "offs_n[None, :] < n_k": (load_tile, _mask_ragged_rows),
 }
 
 RAGGED_SPECS = _specs(
@@ -353,6 +361,11 @@ def _mask_causal_transposed(s, offs_m, offs_n):
 
 
 @triton.jit
+def _mask_causal_axes_swapped(s, offs_m, offs_n):
+    return tl.where(offs_n[:, None] <= offs_m[None, :], s, MASK_VALUE)
+
+
+@triton.jit
 def _kv_loop_end_stops_at_diagonal(start_m, n_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     if CAUSAL:
         return tl.minimum(n_k, start_m)
@@ -370,6 +383,10 @@ CAUSAL_MISTAKES = {
     CAUSAL_OFF_BY_ONE: (_mask_causal_strict, kv_loop_end),
     "the causal mask is transposed: keep keys j <= i (the past), not j >= i":
         (_mask_causal_transposed, kv_loop_end),
+    "the mask's index vectors sit on the wrong axes: offs_n[:, None] runs down the rows (the "
+    "queries) and offs_m[None, :] along the columns (the keys), which compares the wrong pairs "
+    "and broadcasts only when BLOCK_M == BLOCK_N — keep offs_n[None, :] <= offs_m[:, None]":
+        (_mask_causal_axes_swapped, kv_loop_end),
     "the K/V loop stops too early: the Q tile's last row start_m + BLOCK_M - 1 sees keys up to "
     "itself, so the loop must run to min(n_k, start_m + BLOCK_M)":
         (mask_causal, _kv_loop_end_stops_at_diagonal),
@@ -647,11 +664,37 @@ def _outputs_of(result, q):
     return tuple(result)
 
 
-def _unwritten(name, x, block_m=CHECK_BLOCK):
-    """A KernelProblem naming where ``x`` (B, H, N_q[, d]) still holds the sentinel, or None."""
+def _unwritten_rows(x):
+    """``(B, H, N_q)``: the rows of ``x`` (B, H, N_q[, d]) with an element never written."""
     unwritten = x == kernel_checks.OUTPUT_SENTINEL
-    if x.ndim == 4:
-        unwritten = unwritten.any(dim=-1)  # (B, H, N_q) rows with any element never written
+    return unwritten.any(dim=-1) if x.ndim == 4 else unwritten
+
+
+def _only_first_pair(x) -> bool:
+    """Whether exactly (batch 0, head 0) of ``x`` was written, completely, and no other pair."""
+    rows = _unwritten_rows(x).flatten(0, 1)  # (B·H, N_q)
+    return rows.shape[0] > 1 and not bool(rows[0].any()) and bool(rows[1:].all())
+
+
+def _pair_note(name, other, only_first) -> str:
+    """Why only (batch 0, head 0) of output ``name`` was written, from what the other output
+    shows (``only_first``: {output: only its first pair written}; ``other``: its name)."""
+    if not only_first.get(name):
+        return ""
+    if only_first.get(other):
+        return (f"\n  only (batch 0, head 0) was written, in {name} and {other} alike: every "
+                f"program acted as pair 0 — the grid has no programs for the other (batch, head) "
+                f"pairs (it needs B · H of them besides the Q tiles), or the kernel reads their "
+                f"index from a program_id axis the grid does not have")
+    return (f"\n  {other} was written for every (batch, head), so a program ran for each: "
+            f"{name}'s offset does not move with the (batch, head) — every program stored its rows "
+            f"into (batch 0, head 0)'s place; add the (batch, head) part to {name}'s offset")
+
+
+def _unwritten(name, x, block_m=CHECK_BLOCK, note=""):
+    """A KernelProblem naming where ``x`` (B, H, N_q[, d]) still holds the sentinel, or None;
+    ``note`` (a line of its own) is added to the pattern seen."""
+    unwritten = _unwritten_rows(x)
     if not unwritten.any():
         return None
     b, h, row = (int(i) for i in torch.nonzero(unwritten)[0])
@@ -669,7 +712,7 @@ def _unwritten(name, x, block_m=CHECK_BLOCK):
     return kernel_checks.KernelProblem(
         f"{int(unwritten.sum())} row(s) of {name} {tuple(x.shape)} were never written, the first "
         f"row {row} of (batch {b}, head {h}), Q tile {row // block_m} ({_tiles(row, block_m)}, "
-        f"BLOCK_M={block_m})\n  {pattern}")
+        f"BLOCK_M={block_m})\n  {pattern}{note}")
 
 
 def call_launcher(launcher, q, k, v, causal, **kwargs):
@@ -736,8 +779,9 @@ class ForwardRun:
                 raise kernel_checks.KernelProblem(
                     f"your kernel wrote past the end of the tensor {name} views "
                     f"{tuple(alloc.shape)}: a tl.store with a missing mask or a wrong offset")
-        for name, x in (("o", o), ("lse", lse)):
-            problem = _unwritten(name, x, block_m)
+        only_first = {"o": _only_first_pair(o), "lse": _only_first_pair(lse)}
+        for name, x, other in (("o", o, "lse"), ("lse", lse, "o")):
+            problem = _unwritten(name, x, block_m, _pair_note(name, other, only_first))
             if problem:
                 raise problem
         got = (o.clone(), lse.clone())

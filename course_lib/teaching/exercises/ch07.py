@@ -215,8 +215,10 @@ def _dk_dv_variant(q_i, do_i, lse_i, d_i, k_j, v_j, dk_j, dv_j, scale, mask=None
     """:func:`course_lib.attention.tiled_backward.dk_dv_step` with one classic mistake switched on (also
     the tile step of Exercise 7.4's models, which need ``ds`` too: ``with_ds``)."""
     s = (1.0 if mistake == "s_no_scale" else scale) * (q_i @ k_j.T)  # (BLOCK_M, BLOCK_N)
-    if mask is not None and mistake != "no_mask":
+    if mask is not None and mistake not in ("no_mask", "mask_inverted"):
         s = np.where(mask, s, -np.inf)
+    elif mask is not None and mistake == "mask_inverted":  # the visible entries hidden
+        s = np.where(mask, -np.inf, s)
     if mistake.startswith("tile_softmax"):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p = p / p.sum(axis=-1, keepdims=True)
@@ -272,6 +274,9 @@ DK_DV_MISTAKES = {
         _dk_dv_mistake("no_lse"),
     "the causal mask is not applied when P is rebuilt: hidden keys (mask False) must get P = 0":
         _dk_dv_mistake("no_mask"),
+    "the mask is applied the other way round: np.where(mask, -inf, s) hides the visible "
+    "entries and keeps the hidden ones — mask True means visible, np.where(mask, s, -inf)":
+        _dk_dv_mistake("mask_inverted"),
     "the accumulators are overwritten, not added to: return dk_j + …, dv_j + …":
         _dk_dv_mistake("overwrite"),
     "dv_j is overwritten, not added to: dv_j + Pᵀ dO_i keeps the earlier tiles' sum":
@@ -489,6 +494,7 @@ def _backward_variant(q, k, v, o, lse, do, causal, scale, block_m, block_n, *, m
         for q_start in range(0, n_q, block_m):
             q_end = min(q_start + block_m, n_q)
             if causal and (k_start // block_n > q_start // block_m if mistake == "tile_index_skip"
+                           else q_start < k_start if mistake == "skip_straddling"
                            else q_end - 1 < k_start):  # tile numbers: right if block_m == block_n
                 continue  # every query of this tile comes before every key: fully masked
             rows, mask = slice(q_start, q_end), None
@@ -556,6 +562,9 @@ BACKWARD_MISTAKES = {
     "tiles are skipped by comparing tile numbers (k_start // block_n > q_start // block_m), "
     "which is right only when block_m == block_n — skip when the tile's last query, q_end − 1, "
     "comes before its first key, k_start": _backward_mistake("tile_index_skip"),
+    "tiles that straddle the diagonal are skipped too (q_start < k_start): such a tile's later "
+    "queries see its first keys — skip only when the tile's last query, q_end − 1, comes before "
+    "its first key, k_start": _backward_mistake("skip_straddling"),
     "dQ is overwritten, not accumulated: each K/V tile adds its part, dq[rows] += scale · dS k_j "
     "(with the K/V loop outside, dQ's sum runs across the outer loop)":
         _backward_mistake("dq_overwrite"),
@@ -1168,6 +1177,8 @@ def _function_mistake(name):
             q, k, v, o, lse = ctx.saved_tensors
             causal = False if name == "causal_not_passed" else ctx.causal
             scale = default_scale(q.shape[-1]) if name == "default_scale" else ctx.scale
+            if name == "kv_swapped":  # the launch's k and v arguments exchanged
+                k, v = v, k
             dq, dk, dv = launch_backward(backward.dkdv_kernel, backward.dq_kernel, q, k, v, o, lse,
                                          do, causal, scale)
             if name == "swapped":
@@ -1190,6 +1201,9 @@ FUNCTION_MISTAKES = {
     "the o saved for backward is not laid out like the forward's (B, H, N_q, d) output (saved "
     "after a transpose and a reshape): save o exactly as attention_forward returned it — "
     "DELTA = rowsum(dO ∘ O) reads it row by row": _function_mistake("saved_o_reshaped"),
+    "k and v are exchanged in the call to launch_backward: its arguments are q, k, v, o, lse, "
+    "do in that order (the gradients of attention with k and v swapped are wrong even where "
+    "their shapes agree)": _function_mistake("kv_swapped"),
     "backward ignores causal: keep it in forward (ctx.causal = causal) and launch the kernels "
     "with it": _function_mistake("causal_not_passed"),
     "backward uses 1/√d instead of the forward's scale: keep it in forward (ctx.scale = scale) "

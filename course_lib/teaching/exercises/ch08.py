@@ -77,6 +77,12 @@ def _combine_global_max(m, l, o):
         return _weighted(w, o, w.sum(axis=0))
 
 
+def _combine_max_over_last_axis(m, l, o):
+    with np.errstate(invalid="ignore"):  # a chunk empty on every row: -inf - (-inf) = NaN
+        w = l * np.exp(m - m.max(axis=-1, keepdims=True))
+        return _weighted(w, o, w.sum(axis=0))
+
+
 def _combine_no_max(m, l, o):
     with np.errstate(over="ignore", invalid="ignore"):  # exp(1000) = inf, inf / inf = NaN
         w = l * np.exp(m)
@@ -112,6 +118,9 @@ COMBINE_MISTAKES = {
     "the max is taken over the whole array (m.max() with no axis), not per query row over the "
     "chunks: a row whose scores are far below another row's then gets weights exp(-1000) = 0 "
     "and 0 / 0 — take m.max(axis=0)": _combine_global_max,
+    "the max is taken over the last axis (m.max(axis=-1)), within each chunk, not over the "
+    "chunks: m has the chunk axis first, (S, ...), so the common max of a query row is "
+    "m.max(axis=0)": _combine_max_over_last_axis,
     "the weights are l_s · exp(m_s) with no max subtracted: exp overflows (to inf, and inf / inf "
     "is NaN) once m_s passes ~709 — subtract the max over the chunks first": _combine_no_max,
 }
@@ -256,6 +265,13 @@ HEAD_MISTAKES = {
         lambda h, n_heads, n_kv_heads: h % (n_heads // n_kv_heads),
     "h * group maps past the last K/V head: use h // group":
         lambda h, n_heads, n_kv_heads: h * (n_heads // n_kv_heads),
+    "the group is rounded to the nearest (np.round): query heads in the upper half of a group "
+    "land on the next K/V head — round down, h // group":
+        lambda h, n_heads, n_kv_heads:
+            np.round(h / (n_heads // n_kv_heads)).astype(np.asarray(h).dtype),
+    "(h + 1) // group is one head ahead: the last query head of each group lands on the next "
+    "K/V head — query heads count from 0, so h // group":
+        lambda h, n_heads, n_kv_heads: (h + 1) // (n_heads // n_kv_heads),
 }
 
 
@@ -319,7 +335,8 @@ def split_states(q, k, v, splits, block_n=SPLIT_CHECK_BLOCK_N, *, kv_head="group
             (``h // H_kv``).
         scale: score scale (None: ``1/sqrt(d)``); the kernel's exponentials use ``scale``
             throughout. m_units: factor on the stored m.
-        bounds: "cdiv" (chunks of ``cdiv(N, S)`` keys) or "floor" (``N // S``: the tail is lost).
+        bounds: "cdiv" (chunks of ``cdiv(N, S)`` keys), "floor" (``N // S``: the tail is lost)
+            or "heads" (``cdiv(N, H)``: the count of grid axis 0, the query heads, for S).
         tile_mask: "split" (keys < the chunk's end), "cache" (keys < N: into the next chunk) or
             "scores" (loads masked, scores not: padding keys score 0).
         rescale: whether ``acc`` is rescaled by ``exp(m_old − m_new)``.
@@ -344,7 +361,8 @@ def split_states(q, k, v, splits, block_n=SPLIT_CHECK_BLOCK_N, *, kv_head="group
         q64, k64, v64 = (x[:1].expand(n_batch, *x.shape[1:]) for x in (q64, k64, v64))
     k64, v64 = k64[:, kv], v64[:, kv]  # (B, H, N, d)
     s_all = scale * q64 @ k64.transpose(-1, -2)  # (B, H, n_q, N)
-    keys_per_split = _cdiv(n, splits) if bounds == "cdiv" else n // splits
+    keys_per_split = {"cdiv": _cdiv(n, splits), "floor": n // splits,
+                      "heads": _cdiv(n, heads)}[bounds]
     ms, ls, os_ = [], [], []
     for split in range(splits):
         start = split * keys_per_split
@@ -428,6 +446,9 @@ SPLIT_KERNEL_MISTAKES = {
     "split_end = min(split_start + keys_per_split, n_k)": _state_mistake(tile_mask="cache"),
     "the chunks are n_k // SPLITS keys long, so the last n_k % SPLITS keys are never counted: "
     "use keys_per_split = tl.cdiv(n_k, SPLITS)": _state_mistake(bounds="floor"),
+    "keys_per_split divides n_k by the number of query heads (tl.num_programs(0), grid axis 0 "
+    "of (H, S, B)): the splits are grid axis 1, keys_per_split = tl.cdiv(n_k, "
+    "tl.num_programs(1))": _state_mistake(bounds="heads"),
     "the scores are not scaled: multiply q·kᵀ by qk_scale_log2 (= scale · LOG2_E), not by "
     "LOG2_E alone": _state_mistake(scale=1.0),
     "the scores are in log2 units (qk_scale_log2) but go through tl.exp, the natural "
@@ -654,7 +675,8 @@ COMBINE_MAX_EXTRA_L = 20.0
 
 
 def merged_output(m, l, o, out_dtype, *, m_ref="max", rescale=True, sign=1.0, weigh_o=True,
-                  divide_by="weights", lse_with_m=True, lse_units=1.0, pad_m=None):
+                  divide_by="weights", lse_with_m=True, lse_units=1.0, pad_m=None, with_l=True,
+                  exp2=False):
     """float64 model of the combine kernel: ``(out, lse)`` from the workspace, and its mistakes.
 
     The defaults are the right kernel; each keyword does one thing differently. The weights are
@@ -666,9 +688,12 @@ def merged_output(m, l, o, out_dtype, *, m_ref="max", rescale=True, sign=1.0, we
         m_ref: the m the weights are relative to: "max" (over the splits), "first" (split 0's)
             or "zero" (none: exp(m_s)).
         rescale: weights ``l_s · exp(sign · (m_s − m))`` (True) or plain ``l_s``.
+        with_l: the weights carry ``l_s`` (True) or are ``exp(m_s − m)`` alone.
+        exp2: the correction is ``exp2(m_s − m)`` on these natural-log maxima (base 2 for e).
         sign: -1 for the correction with the wrong sign, exp(m − m_s).
         weigh_o: weigh each ``o_s`` (True) or average them.
-        divide_by: "weights" (``Σ w_s``), "splits" (S) or "l" (``Σ l_s``, not rescaled).
+        divide_by: "weights" (``Σ w_s``), "splits" (S), "l" (``Σ l_s``, not rescaled) or
+            "nothing" (``Σ w_s o_s`` stored as it is).
         lse_with_m: ``lse = m + log Σ w_s`` (True) or ``log Σ w_s``.
         lse_units: factor on the stored lse (``LOG2_E``: log2 units).
         pad_m: the m of the padded split lanes (S rounded up to a power of two) when it is not
@@ -692,13 +717,14 @@ def merged_output(m, l, o, out_dtype, *, m_ref="max", rescale=True, sign=1.0, we
             m_max = np.zeros_like(m64[:, :, :1])
         else:
             m_max = m64.max(axis=2, keepdims=True)  # (B, H, 1, n_q)
-        w = (l64 * np.exp(sign * (m64 - m_max)) if rescale else l64)  # (B, H, S, n_q)
+        correction = (np.exp2 if exp2 else np.exp)(sign * (m64 - m_max))
+        w = ((l64 if with_l else 1.0) * correction if rescale else l64)  # (B, H, S, n_q)
         w = w.astype(np.float32).astype(np.float64)
         w_sum = w.sum(axis=2)  # (B, H, n_q)
         if weigh_o:
             total = (w[..., None] * o64).sum(axis=2)  # (B, H, n_q, d)
             denominator = {"weights": w_sum[..., None], "splits": splits,
-                           "l": l64.sum(axis=2)[..., None]}[divide_by]
+                           "l": l64.sum(axis=2)[..., None], "nothing": 1.0}[divide_by]
             out = total / denominator
         else:
             out = o64.sum(axis=2) / splits
@@ -745,6 +771,14 @@ COMBINE_KERNEL_MISTAKES = {
     "are normalised per split, the weights are not)": _merge_mistake(divide_by="splits"),
     "Σ w_s o_s is divided by Σ l_s: the weights were rescaled by exp(m_s − m), so divide by the "
     "rescaled total Σ w_s": _merge_mistake(divide_by="l"),
+    "the weights leave out l_s, w_s = exp(m_s − m): o_s is normalised by its own l_s, so a "
+    "split counts in proportion to its softmax sum, w_s = l_s · exp(m_s − m)":
+        _merge_mistake(with_l=False),
+    "the correction is exp2(m_s − m) on natural-log maxima: m and l here are in natural-log "
+    "units, so the weights are l_s · exp(m_s − m) (exp2 belongs to maxima kept in log2 units)":
+        _merge_mistake(exp2=True),
+    "Σ w_s o_s is not divided by Σ w_s: the weights are not normalised (each o_s already is), "
+    "so out = Σ w_s o_s / Σ w_s": _merge_mistake(divide_by="nothing"),
     "lse is stored in log2 units (m · LOG2_E + log2 Σ w_s): the output lse is natural-log, "
     "lse = m + log Σ w_s (multiply a log2 value by LN_2)":
         _merge_mistake(lse_units=constants.LOG2_E),

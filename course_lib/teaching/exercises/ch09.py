@@ -366,12 +366,14 @@ def quantize_model(x, block, *, scope="block", peak="abs", fp8_max=fp8.E4M3_MAX,
 
     Args:
         x: ``(..., N, d)``. block: rows per scale (None: all N).
-        scope: "block" (one amax per block), "tensor" (one amax for all of x) or "row" (one
-            scale per row: shape ``(..., N, 1)``).
+        scope: "block" (one amax per block), "tensor" (one amax for all of x), "row" (one
+            scale per row: shape ``(..., N, 1)``) or "matrix" (``block`` ignored: one scale
+            per matrix, shape ``(..., 1, 1)``).
         peak: "abs" (``amax(|x|)``) or "signed" (``amax(x)``).
         fp8_max: the value the peak is mapped to.
         zero_guard: a zero block gets scale 1 (else 0, and 0/0 = NaN).
-        inverted: scale = fp8_max / amax and ``x_fp8 = x · scale``.
+        inverted: scale = fp8_max / amax and ``x_fp8 = x · scale``; "divided": that scale
+            with ``x_fp8 = x / scale`` (= x · amax / fp8_max, far below the fp8 range).
         multiplied: ``x_fp8 = x · scale`` with the right scale.
         interleaved: the amax of block j taken over the rows ``r ≡ j (mod n_blocks)`` (the
             reshape to ``(block, n_blocks)`` instead of ``(n_blocks, block)``); the scales are
@@ -382,7 +384,7 @@ def quantize_model(x, block, *, scope="block", peak="abs", fp8_max=fp8.E4M3_MAX,
         ``(x_fp8, scale)`` as :func:`course_lib.attention.fp8.quantize_e4m3`.
     """
     n = x.shape[-2]
-    block = n if block is None else block
+    block = n if block is None or scope == "matrix" else block
     n_blocks = -(-n // block)
     x32 = x.to(torch.float32)
     padded = torch.nn.functional.pad(x32, (0, 0, 0, n_blocks * block - n))
@@ -407,7 +409,7 @@ def quantize_model(x, block, *, scope="block", peak="abs", fp8_max=fp8.E4M3_MAX,
         per_row = scale
     else:  # each row divided by the scale of block row // block (the skeleton's repeat_interleave)
         per_row = scale.repeat_interleave(block, dim=-2)[..., :n, :]
-    scaled = x32 * per_row if (inverted or multiplied) else x32 / per_row
+    scaled = x32 * per_row if (inverted is True or multiplied) else x32 / per_row
     if rounded:
         scaled = torch.round(scaled)
     return scaled.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3_DTYPE), scale
@@ -422,6 +424,9 @@ def _quantize_mistake(**wrong):
 QUANTIZE_MISTAKES = {
     "the scale is inverted (E4M3_MAX / amax): the scale is what x_fp8 is multiplied by to get x "
     "back, x ≈ x_fp8 · scale, so scale = amax / E4M3_MAX": _quantize_mistake(inverted=True),
+    "x is divided by an inverted scale (E4M3_MAX / amax): x_fp8 = x · amax / E4M3_MAX then "
+    "sits far below the fp8 range — scale = amax / E4M3_MAX, and x_fp8 = x / scale "
+    "maps the block's largest magnitude to E4M3_MAX": _quantize_mistake(inverted="divided"),
     "x is multiplied by the scale: divide, x_fp8 = x / scale, so that the block's largest "
     "magnitude lands on E4M3_MAX = 448": _quantize_mistake(multiplied=True),
     "one amax for the whole tensor: each block of rows (each (batch, head) matrix when block is "
@@ -438,6 +443,9 @@ QUANTIZE_MISTAKES = {
     "the blocks interleave the rows (x.unflatten(-2, (block, n_blocks))): block j is rows "
     "j·block to (j+1)·block − 1, so unflatten to (n_blocks, block)":
         _quantize_mistake(interleaved=True),
+    "the block argument is not used: one scale per matrix (amax over all its N rows), where "
+    "each block of `block` rows needs its own — scale has shape (..., ceil(N / block), 1)":
+        _quantize_mistake(scope="matrix"),
     "one scale per row (amax over d only): one scale per block of `block` rows, over all their "
     "columns — scale has shape (..., ceil(N / block), 1)": _quantize_mistake(scope="row"),
     "the scaled values are rounded to integers (int8's habit): e4m3 is a floating-point format, "

@@ -128,8 +128,10 @@ def _tile_model(*, pad_any=False, pad_all=True, edge=0, floor=False, swap_blocks
     as masked (False: a ragged full tile becomes partial). edge: tiles one row/column too wide
     (``mask[r0:r1 + 1]``). floor: ``N // block`` tiles (the ragged last tile lost). swap_blocks:
     block_m and block_n exchanged. transpose: lists per K/V tile (the mask transposed).
-    partial: "some" (right), "any" (every visited tile partial), "none" (no tile partial).
-    visited: "any" (right) or "all" (only full tiles visited). compact: the listed tiles packed
+    partial: "some" (right), "any" (every visited tile partial), "none" (no tile partial),
+    "full" (the full tiles marked partial: the flag inverted) or "not full" (every tile that is
+    not full, a skipped one included). visited: "any" (right), "all" (only full tiles visited)
+    or "every" (every tile, the skipped ones included). compact: the listed tiles packed
     at the start of the row (right) or left at their own column. corners: full/skip decided from
     the tile's two corners only.
     """
@@ -153,9 +155,9 @@ def _tile_model(*, pad_any=False, pad_all=True, edge=0, floor=False, swap_blocks
             last = padded[np.minimum(rows + bm, n_q)[:, None] - 1,
                           np.minimum(cols + bn, n_k)[None, :] - 1]
             vis_any, vis_all = first | last, first & last
-        seen = vis_any if visited == "any" else vis_all
-        flags = {"some": vis_any & ~vis_all, "any": vis_any,
-                 "none": np.zeros_like(vis_any)}[partial]
+        seen = {"any": vis_any, "all": vis_all, "every": np.ones_like(vis_any)}[visited]
+        flags = {"some": vis_any & ~vis_all, "any": vis_any, "none": np.zeros_like(vis_any),
+                 "full": vis_all, "not full": ~vis_all}[partial]
         if compact:
             return _lists_from(seen, flags)
         t_c = seen.shape[1]
@@ -182,6 +184,12 @@ TILE_LIST_MISTAKES = {
         _tile_model(partial="any"),
     "no tile is marked partial: a tile with some masked entries needs the element mask, or its "
     "masked scores count": _tile_model(partial="none"),
+    "the partial flag is inverted: the full tiles are marked partial and the partial ones full "
+    "— a tile is partial when some but not all of its entries are visible (tile.any() and not "
+    "tile.all())": _tile_model(partial="full"),
+    "every tile is listed, the skipped ones too (the tile.any() test is missing): a tile with no "
+    "visible entry is skipped — list only tiles with tile.any()":
+        _tile_model(visited="every", partial="not full"),
     "only full tiles are visited: a partial tile has visible entries too — visit every tile with "
     "any visible entry (and mark it partial)": _tile_model(visited="all"),
     "the listed tiles stay at their own column (kv_indices[i, j] = j): the kernel reads the "
