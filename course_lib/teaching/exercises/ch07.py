@@ -1159,39 +1159,42 @@ def function_cases(seed: int = 7_6) -> list[Case]:
     return cases
 
 
+def _saved_tensor_gradients(q, k, v, o, lse, do, causal: bool, scale: float):
+    """float64 ``(dq, dk, dv)`` as the backward kernels compute them from what forward saved: P
+    rebuilt from ``lse``, DELTA = rowsum(dO ∘ ``o``). Given a wrong saved tensor, flag or scale,
+    it gives what the kernels give with it.
+
+    Args:
+        q: ``(B, H, N_q, d)``; k, v: ``(B, H, N_k, d)``; o, do: like q; lse: ``(B, H, N_q)``.
+        causal, scale: as the kernels are launched with them (top-left causal alignment).
+    """
+    q, k, v, o, lse, do = (x.detach().double() for x in (q, k, v, o, lse, do))
+    s = scale * (q @ k.transpose(-1, -2))  # (B, H, N_q, N_k)
+    if causal:
+        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    return scale * (ds @ k), scale * (ds.transpose(-1, -2) @ q), p.transpose(-1, -2) @ do
+
+
 def _function_mistake(name):
-    """A FlashAttention Function with one classic glue mistake, around the answer-key kernels."""
-    class Wrong(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal, scale):
-            o, lse = forward_kernel.attention_forward(q, k, v, causal, scale)
-            # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
-            saved_o = o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
-            if name != "no_save":
-                ctx.save_for_backward(q, k, v, saved_o, lse)
-            ctx.causal, ctx.scale = causal, scale
-            return o
-
-        @staticmethod
-        def backward(ctx, do):
-            q, k, v, o, lse = ctx.saved_tensors
-            causal = False if name == "causal_not_passed" else ctx.causal
-            scale = default_scale(q.shape[-1]) if name == "default_scale" else ctx.scale
-            if name == "kv_swapped":  # the launch's k and v arguments exchanged
-                k, v = v, k
-            dq, dk, dv = launch_backward(backward.dkdv_kernel, backward.dq_kernel, q, k, v, o, lse,
-                                         do, causal, scale)
-            if name == "swapped":
-                return dk, dq, dv, None, None
-            return dq, dk, dv, None, None
-
-    Wrong.__name__ = f"FlashAttention_{name}"
-
+    """A FlashAttention Function's ``(o, dq, dk, dv)`` with one classic glue mistake around right
+    kernels, computed in float64 from what the glue hands the kernels (no interpreted launches:
+    the models run on every failing case of a check)."""
     def wrong(q, k, v, do, causal, scale):
-        try:
-            return run_function(Wrong, q, k, v, do, causal, scale)
-        except _Diagnosed:
-            return None
+        o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
+        # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
+        saved_o = o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
+        keys, values = (v, k) if name == "kv_swapped" else (k, v)  # launch_backward's k and v exchanged
+        dq, dk, dv = _saved_tensor_gradients(
+            q, keys, values, saved_o, lse, do, False if name == "causal_not_passed" else causal,
+            default_scale(q.shape[-1]) if name == "default_scale" else scale)
+        if name == "swapped":  # return dk, dq, dv, None, None
+            if dq.shape != dk.shape:
+                raise ValueError("autograd refuses a gradient whose shape is not its input's")
+            dq, dk = dk, dq
+        return tuple(x.to(q.dtype) for x in (o, dq, dk, dv))
     return wrong
 
 
