@@ -560,10 +560,12 @@ def test_only_the_first_pair_written_is_told_from_what_the_other_output_shows():
     text = str(ch06._unwritten("lse", lse_first, 4, ch06._pair_note("lse", "o", only)))
     assert ("o was written for every (batch, head), so a program ran for each: lse's offset does "
             "not move with the (batch, head)") in text, text
-    # both only at (0, 0): the programs of the other pairs never acted as such
+    # both only at (0, 0): no program stored another pair's rows — too few programs, a missing
+    # program_id axis, or rows counted over every program (past N_q): the evidence names all three
     only = {"o": ch06._only_first_pair(o_first), "lse": ch06._only_first_pair(lse_first)}
     text = str(ch06._unwritten("o", o_first, 4, ch06._pair_note("o", "lse", only)))
     assert "only (batch 0, head 0) was written, in o and lse alike" in text, text
+    assert "acted as pair 0" not in text and "pid · BLOCK_M" in text, text
     # another pair written as well: no note
     two = _pairs_written((2, 2, 5), [(0, 0), (1, 0)])
     assert not ch06._only_first_pair(two) and ch06._pair_note("lse", "o", {"lse": False}) == ""

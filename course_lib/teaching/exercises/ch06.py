@@ -682,10 +682,12 @@ def _pair_note(name, other, only_first) -> str:
     if not only_first.get(name):
         return ""
     if only_first.get(other):
-        return (f"\n  only (batch 0, head 0) was written, in {name} and {other} alike: every "
-                f"program acted as pair 0 — the grid has no programs for the other (batch, head) "
-                f"pairs (it needs B · H of them besides the Q tiles), or the kernel reads their "
-                f"index from a program_id axis the grid does not have")
+        return (f"\n  only (batch 0, head 0) was written, in {name} and {other} alike: no "
+                f"program stored a row of another (batch, head) — the grid has no programs for "
+                f"the other pairs (it needs B · H of them besides the Q tiles), or the kernel "
+                f"reads their index from a program_id axis the grid does not have, or their "
+                f"programs' rows start past N_q (a tile's first row counted over every program, "
+                f"pid · BLOCK_M, not over the pair's own tiles)")
     return (f"\n  {other} was written for every (batch, head), so a program ran for each: "
             f"{name}'s offset does not move with the (batch, head) — every program stored its rows "
             f"into (batch 0, head 0)'s place; add the (batch, head) part to {name}'s offset")
