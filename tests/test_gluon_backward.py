@@ -4,8 +4,10 @@ Without a GPU the kernel is cross-compiled for sm_90 (course_lib.measure.reach's
 tests read what the design claims from the compiled kernel: the consumers get 240 registers a
 thread and the producer 24 (``setmaxnreg``), the five products per tile pair are wgmma, dQ is
 added with 16-byte or 8-byte fp32 atomics, and it fits in an H100 block's shared memory. Whether
-it computes the right gradients needs a Hopper GPU: the GPU test below, and
-``tools/gluon_backward.py``.
+it computes the right gradients needs a Hopper GPU: the GPU tests below, and
+``tools/gluon_backward.py``. Issue 35's two switches (the dQ atomics under the next step's first
+products, the persistent grid) are cross-compiled here and checked and timed on the GPU by
+``tools/gluon_bwd_ablation.py``, whose host-side record and tables are tested at the end.
 """
 
 from __future__ import annotations
@@ -27,27 +29,41 @@ GRAD_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # on top of twice the
 # Compiled in a child process (hopper_results.in_fresh_process): Gluon cannot compile in a process
 # where Triton's interpreter has already run a kernel, as other tests in the same worker do.
 COMPILE = """
-import re
 from triton.runtime import driver
 from course_lib.kernels import gluon_backward as gb
-# 16- or 8-byte fp32 adds: atom (Triton 3.6-3.8) or red (3.9 on: the same add, its old value unused)
-VECTOR_ADD = r"(?:atom|red)\\.global\\.gpu\\.relaxed\\.add\\.v[24]\\.f32"
 result = {}
 for causal in (False, True):
     before = driver._active
     facts = gb.cross_compile(causal=causal, n=1000)
     ptx = gb.attention_backward_gluon.last_kernel.asm["ptx"]
     facts["commit_groups"] = ptx.count("wgmma.commit_group")
-    facts["vector_atomics"] = len(re.findall(VECTOR_ADD, ptx))
+    facts["vector_atomics"] = len(gb.PTX_DQ_ADD.findall(ptx))  # 16- or 8-byte fp32 adds
     facts["driver_put_back"] = driver._active is before
     result[str(causal)] = facts
 # the masked backward on a mask with both kinds of rule (documents, and a causal band), GQA group 2
 facts = gb.cross_compile_masked(q_shape=(1, 4, 1000, 128), kv_heads=2, documents=3, causal=True)
 ptx = gb.masked_backward_gluon.last_kernel.asm["ptx"]
 facts["commit_groups"] = ptx.count("wgmma.commit_group")
-facts["vector_atomics"] = len(re.findall(VECTOR_ADD, ptx))
+facts["vector_atomics"] = len(gb.PTX_DQ_ADD.findall(ptx))  # 16- or 8-byte fp32 adds
 result["masked"] = facts
+# issue 35's switches (causal kernels hold both loops, masked and not)
+for d, causal, pipeline, persistent in SWITCHED:
+    facts = gb.cross_compile(causal=causal, n=1000, head_dim=d, config={"PIPELINE": pipeline, "PERSISTENT": persistent})
+    ptx = gb.attention_backward_gluon.last_kernel.asm["ptx"]
+    facts["commit_groups"] = ptx.count("wgmma.commit_group")
+    facts["barriers"] = ptx.count("mbarrier.init")
+    facts["reads_grid_size"] = "%nctaid.x" in ptx  # gl.num_programs(0): the persistent programs' stride
+    result["/".join(map(str, (d, causal, pipeline, persistent)))] = facts
 """
+# (head dim, causal, PIPELINE, PERSISTENT) of the switches' compiles: both overlaps at d = 128 (causal;
+# and non-causal, whose unmasked loop is what long sequences run), the wider one at d = 64, the
+# persistent grid at d = 128
+SWITCHED = [(64, True, gb.PIPELINE_ST_DPT, False), (128, True, gb.PIPELINE_ST_DPT, False),
+            (128, False, gb.PIPELINE_ST_DPT, False), (128, True, gb.PIPELINE_ST, False),
+            (128, True, gb.NO_PIPELINE, True)]
+PIPELINED = [case for case in SWITCHED if case[2] != gb.NO_PIPELINE]
+COMPILE = f"SWITCHED = {SWITCHED!r}\n" + COMPILE
+WGMMA_K = 16  # a wgmma's reduction depth at 16-bit inputs: Sᵀ = K Q_iᵀ over d takes d / 16 instructions
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +72,8 @@ def compiled():
     from course_lib.measure import hopper_results
 
     out = hopper_results.in_fresh_process(COMPILE)
-    return {**{causal: out[str(causal)] for causal in (False, True)}, "masked": out["masked"]}
+    return {**{causal: out[str(causal)] for causal in (False, True)}, "masked": out["masked"],
+            **{case: out["/".join(map(str, case))] for case in SWITCHED}}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -91,6 +108,81 @@ def test_masked_backward_compiles_with_the_same_design(compiled):
     assert facts["spill_bytes"] <= gb.MASKED_SPILL_BYTES_ALLOWED, facts
     assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"] and "inc 240" in facts["setmaxnreg"], facts
     assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR and facts["vector_atomics"] > 0, facts
+
+
+def test_overlap_issues_the_next_products_before_the_atomics(compiled):
+    """PIPELINE on: in each loop, the previous step's dQ atomics come after this step's Sᵀ (and, in
+    the unmasked loop with PIPELINE_ST_DPT, dPᵀ) are issued and before any is waited for; the last
+    step's after the loops, with nothing in flight. Off (the library's): never under a product."""
+    for d, causal, pipeline, persistent in PIPELINED:
+        st = d // WGMMA_K  # Sᵀ's wgmma instructions (dPᵀ's: as many)
+        unmasked = 2 * st if pipeline == gb.PIPELINE_ST_DPT else st
+        facts = compiled[d, causal, pipeline, persistent]
+        assert facts["dq_overlap"] == [st, unmasked, 0], (d, causal, pipeline, facts)
+        assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR, facts  # still 5 products a step, each loop
+    assert compiled[True]["dq_overlap"] == [0, 0] and compiled[False]["dq_overlap"] == [0, 0]
+
+
+def test_overlap_keeps_the_register_and_shared_memory_budgets(compiled):
+    """No new spills where today's kernel has none (d = 64) or in the non-causal kernel at d = 128;
+    the causal one's masked loop may hold a few more scalars, never a tile. dQ's staging buffer still
+    fits an H100 block, and the partitions keep their register budgets."""
+    for (d, causal, pipeline, _), facts in ((case, compiled[case]) for case in PIPELINED):
+        assert 0 < facts["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, facts
+        assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"] and "inc 240" in facts["setmaxnreg"], facts
+        today = compiled[causal]["spill_bytes"]  # the library's kernel at d = 128, this Triton
+        if d == 64:  # 0 with every Triton version today (the module's SPILL_BYTES_ALLOWED note)
+            assert facts["spill_bytes"] == 0, facts
+        elif causal:
+            assert facts["spill_bytes"] <= today + gb.SWITCH_EXTRA_SPILL_BYTES, (pipeline, facts, today)
+        else:
+            assert facts["spill_bytes"] <= today, (pipeline, facts, today)
+
+
+def test_persistent_grid_walks_items_with_its_own_barrier(compiled):
+    """PERSISTENT: the programs stride over the items by the grid's size, one more mbarrier (the K and
+    V buffers free again), the products and budgets of the one-item kernel, a few scalars more spilled
+    at most."""
+    facts, today = compiled[128, True, gb.NO_PIPELINE, True], compiled[True]
+    assert facts["reads_grid_size"], facts
+    assert facts["barriers"] == compiled[128, True, gb.PIPELINE_ST, False]["barriers"] + 1, facts
+    assert facts["commit_groups"] == 2 * WGMMA_PER_TILE_PAIR and facts["dq_overlap"] == [0, 0], facts
+    assert f"dec {gb.CONFIG['LOADER_REGS']}" in facts["setmaxnreg"] and "inc 240" in facts["setmaxnreg"], facts
+    assert 0 < facts["shared_bytes"] <= H100_BLOCK_SHARED_BYTES, facts
+    assert facts["spill_bytes"] <= today["spill_bytes"] + gb.SWITCH_EXTRA_SPILL_BYTES, (facts, today)
+
+
+@pytest.mark.parametrize("config,error,match", [
+    ({"PIPELINE": -1}, ValueError, r"config\['PIPELINE'\] must be one of \(0, 1, 2\), got -1"),
+    ({"PIPELINE": "1"}, ValueError, r"config\['PIPELINE'\] must be one of"),
+    ({"PERSISTENT": 1}, TypeError, r"config\['PERSISTENT'\] must be a bool, got 1"),
+])
+def test_unknown_switch_values_raise(config, error, match):
+    from triton.runtime import driver
+
+    from course_lib.measure.reach import StandInDriver
+
+    before = driver._active
+    driver.set_active(StandInDriver(90))
+    try:
+        x = _cpu()
+        with pytest.raises(error, match=match):
+            gb.attention_backward_gluon(x, x, x, x, x, torch.zeros(x.shape[:-1]), False, 0.1, config=config)
+    finally:
+        driver._active = before
+
+
+def test_dq_overlap_reads_the_ptx():
+    """dq_overlap on hand-written PTX: products issued and not waited for before a run of atomics
+    count; a wait, a ring-slot wait or a label in between resets the count."""
+    add = "atom.global.gpu.relaxed.add.v4.f32 %f1, [%rd1], {%f2, %f3, %f4, %f5};"
+    mma = "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {...};"
+    ptx = "\n".join(["mbarrier.try_wait.parity.shared::cta.b64 complete, [%r1], %r2;", mma, mma,
+                     "wgmma.commit_group.sync.aligned;", add, add,  # 2 in flight
+                     "wgmma.wait_group.sync.aligned 0;", add,  # none
+                     mma, "$L__BB0_3:", add,  # a label: another block, read as none
+                     mma, "red.global.gpu.relaxed.add.v2.f32 [%rd2], {%f6, %f7};"])  # Triton 3.9's 8-byte add
+    assert gb.dq_overlap(ptx) == [2, 0, 0, 1]
 
 
 def test_cross_compile_puts_the_driver_back(compiled):
@@ -222,6 +314,41 @@ def test_library_backward_takes_gluon_on_hopper(causal, n, d, monkeypatch):
     assert not calls
 
 
+# issue 35's switches as tools/gluon_bwd_ablation.py names them (the tool times them; this checks them)
+SWITCH_CASES = [(config, d, True) for config in ("overlap", "overlap_st", "persistent", "persistent_overlap")
+                for d in (64, 128)] + [("persistent_overlap", 128, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,d,causal", SWITCH_CASES)
+def test_switches_keep_the_gradients_on_hopper(config, d, causal):
+    """On an H100, each switch's gradients (ragged N, several programs per SM for the persistent
+    grid) are as close to float64 as the library's config's, on the same inputs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is Hopper-only (compute capability 9.x); this GPU is not")
+    from course_lib.kernels import compat
+    from course_lib.kernels.api import _forward
+
+    switches = {"overlap": {"PIPELINE": gb.PIPELINE_ST_DPT}, "overlap_st": {"PIPELINE": gb.PIPELINE_ST},
+                "persistent": {"PERSISTENT": True},
+                "persistent_overlap": {"PERSISTENT": True, "PIPELINE": gb.PIPELINE_ST_DPT}}[config]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, dtype = 1000, torch.float16
+    heads = 2 * sms // -(-n // gb.CONFIG["BLOCK_N"])  # about 2 items per program of the persistent grid
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, do = (torch.randn(1, heads, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal), exact,
+                              do.double())
+    o, lse = _forward(q, k, v, causal, d ** -0.5)
+    base = gb.attention_backward_gluon(do, q, k, v, o, lse, causal, d ** -0.5)
+    grads = gb.attention_backward_gluon(do, q, k, v, o, lse, causal, d ** -0.5, config=switches)
+    assert compat.gluon_failure() is None, compat.gluon_failure()
+    for which, g, g0, r in zip(("dq", "dk", "dv"), grads, base, ref):
+        err, err0 = ((x.double() - r).abs().max().item() for x in (g, g0))
+        assert err <= 2 * err0 + GRAD_ATOL[dtype], (config, which, err, err0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
@@ -263,3 +390,90 @@ def test_masked_backward_takes_gluon_on_hopper(d, dtype, monkeypatch):
                 err_t = (grads[True][i].double() - ref[i]).abs().max().item()
                 print(f"{dtype} d={d} n={n} {name:14s} {which}: gluon {err:.2e} triton {err_t:.2e}")
                 assert err <= 2 * err_t + GRAD_ATOL[dtype], (name, n, which, err, err_t)
+
+
+# The backward ablation's host-side logic (tools/gluon_bwd_ablation.py runs on the GPU machine; its
+# --record and tables run anywhere).
+
+
+@pytest.fixture(scope="module")
+def bwd_tool():
+    """tools/gluon_bwd_ablation.py, imported as its own children import it (tools/ on the path)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    return importlib.import_module("gluon_bwd_ablation")
+
+
+def _bwd_full_run(tool) -> dict:
+    """A small full run in the tool's --out format: d = 128, cuDNN and two configs, two cells, both
+    passes; one config's checks with a case over the rule and one that could not be judged."""
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.0", "torch": "2.11.0", "triton": "3.6.0",
+            "date": "2026-11-27", "timer": "cudagraph", "configs": tool.CONFIGS}
+    tflops = {"sdpa_cudnn/128": ((400.0, 420.0), (300.0, 320.0)), "bwd/128/baseline": ((320.0, 360.0), (240.0, 270.0)),
+              "bwd/128/overlap": ((360.0, 378.0), (240.0, 280.0))}  # impl -> per cell (bwd, fwd+bwd)
+    speed = [{"impl": impl, "d": 128, "dtype": "bfloat16", "N": 4096, "causal": causal, "pass": p, "tflops": t}
+             for impl, cells in tflops.items() for causal, per_pass in zip((False, True), cells)
+             for p, t in zip(tool.PASSES, per_pass)]
+    speed.append({"impl": "bwd/128/overlap_st", "d": 128, "dtype": "bfloat16", "N": 4096, "causal": False,
+                  "pass": "bwd", "skipped": "out of time"})
+    errors = [{"config": config, "d": 128, "inputs": kind, "ok": ok, "dq_err": dq, "dk_err": 1e-3, "dv_err": 1e-3,
+               "sdpa_dq_err": 1e-3, "sdpa_dk_err": 1e-3, "sdpa_dv_err": 2e-3}
+              for config, kind, dq, ok in (("baseline", "ordinary", 1e-3, True), ("overlap", "ordinary", 1e-3, True),
+                                           ("overlap", "fuzz", 3e-3, False))]
+    errors.append({"config": "overlap", "d": 128, "inputs": "fuzz", "ok": None, "sdpa_error": "RuntimeError: ..."})
+    facts = {"registers": 168, "spill_bytes": 8, "shared_bytes": 197932, "dq_overlap": [8, 16, 0], "wgmma": 64,
+             "setmaxnreg": ["dec 24", "inc 240"], "ex2": 12, "triton": "3.6.0"}
+    return {"meta": meta, "compile": {"bwd/128/overlap": facts, "bwd/128/overlap_st": {"error": "silent: killed"}},
+            "errors": errors, "speed": speed, "skipped": ["bwd/128/overlap_st"], "failed": [],
+            "excluded": ["bwd/128/overlap_st"]}
+
+
+def test_bwd_ablation_record_and_tables(bwd_tool, tmp_path):
+    import json
+
+    full = _bwd_full_run(bwd_tool)
+    path = tmp_path / "full.json"
+    path.write_text(json.dumps(full))
+    data = bwd_tool.write_record(path, tmp_path / "record.json")
+    assert json.loads((tmp_path / "record.json").read_text()) == data
+    assert data["speed"]["cells"] == [["bfloat16", 128, 4096, False], ["bfloat16", 128, 4096, True]]
+    assert data["speed"]["tflops"]["bwd"]["bwd/128/overlap"] == [360.0, 240.0]
+    assert data["speed"]["tflops"]["fwd+bwd"]["sdpa_cudnn/128"] == [420.0, 320.0]
+    assert data["speed"]["tflops"]["bwd"]["bwd/128/overlap_st"] == [None, None]  # skipped: not timed
+    # ex2 and wgmma dropped; the error key is only a failed config's
+    assert set(data["compile"]["bwd/128/overlap"]) == set(bwd_tool.RECORD_COMPILE_KEYS) - {"error"}
+    assert data["compile"]["bwd/128/overlap_st"] == {"error": "silent: killed"}
+    bwd = data["summary"]["speed"]["bwd"]["bwd/128/overlap"]
+    assert bwd == {"cells": 2, "median_x_cudnn": round((360 / 400 + 240 / 300) / 2, 3), "min_x_cudnn": 0.8,
+                   "median_x_baseline": round((360 / 320 + 1.0) / 2, 3)}
+    assert "sdpa_cudnn/128" not in data["summary"]["speed"]["fwd+bwd"]
+    acc = data["summary"]["accuracy"]["bwd/128/overlap"]
+    assert (acc["passed"], acc["cases"], acc["worst_dq_x_sdpa"], acc["worst_dv_x_sdpa"]) == (1, 3, 3.0, 0.5)
+    assert acc["by_inputs"]["fuzz"]["passed"] == 0 and acc["by_inputs"]["fuzz"]["cases"] == 2
+    assert data["excluded"] == ["bwd/128/overlap_st"]
+    text = bwd_tool.report(data)
+    assert "NVIDIA H100 80GB HBM3" in text and "bwd TFLOP/s, d = 128;" in text
+    rows = [line.split() for line in text.splitlines()]
+    # the first table (bwd, d = 128): cuDNN, baseline, overlap, overlap_st (not timed), then each config ÷ cuDNN
+    assert ["bfloat16", "4096", "False", "|", "400.0", "320.0", "360.0", "-", "|", "0.800", "0.900", "-"] in rows
+    assert "bwd/128/overlap      1/3 passed;" in text
+
+
+def test_bwd_ablation_record_refuses_a_file_that_is_not_a_full_run(bwd_tool, tmp_path):
+    path = tmp_path / "not_a_run.json"
+    path.write_text('{"meta": {}, "speed": []}')
+    with pytest.raises(ValueError, match=r"full_path .*not_a_run.json lacks \['compile', 'errors'\]"):
+        bwd_tool.write_record(path, tmp_path / "out.json")
+
+
+def test_bwd_ablation_configs_are_the_kernels_switches(bwd_tool):
+    """Each config sets entries of the kernel's CONFIG only; together they try every PIPELINE and the
+    persistent grid; the baseline is the library's backward."""
+    for name, switches in bwd_tool.CONFIGS.items():
+        assert set(switches) <= set(gb.CONFIG), name
+    assert {c.get("PIPELINE", gb.NO_PIPELINE) for c in bwd_tool.CONFIGS.values()} == set(gb.PIPELINES)
+    assert any(c.get("PERSISTENT") for c in bwd_tool.CONFIGS.values())
+    assert {**gb.CONFIG, **bwd_tool.CONFIGS[bwd_tool.BASELINE]} == gb.CONFIG

@@ -35,6 +35,18 @@ each) that see them. Three partitions:
   run, so the last bits of dQ can too: ``flash_attention(..., deterministic=True)`` keeps chapter
   07's two kernels.
 
+Two switches of the dense kernel (issue 35), off by default until the H100 says otherwise
+(``tools/gluon_bwd_ablation.py`` checks and times them):
+
+- **overlap** (``CONFIG["PIPELINE"]``): the consumers wait for all five products of a step and then
+  add its dQ, so the tensor cores idle while the atomics issue. With the switch on, a step leaves its
+  dQ in shared memory; the next one issues its Sᵀ (and dPᵀ) first and adds the previous dQ under them
+  (:data:`PIPELINE_ST_DPT`, :data:`PIPELINE_ST`);
+- **persistent grid** (``CONFIG["PERSISTENT"]``, N <= :data:`PERSISTENT_MAX_N`): at most one program
+  per SM, each walking (key tile, batch·head) items; the ring's slots and phases run on across items,
+  and a ``kv_empty`` barrier holds the next item's K and V until this item's dK and dV have left
+  their buffers.
+
 The scale is folded into dSᵀ once, so neither dK nor dQ needs a pass of its own. Query rows past
 N read as zeros (TMA) and add nothing (their dO rows are zero too); keys past N and the causal
 diagonal are masked on the tiles that need it only (the first two query tiles of a causal
@@ -58,6 +70,8 @@ Covered: what the masked Gluon forward covers (no per-sample lengths, 128x128 bl
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import triton
@@ -90,9 +104,30 @@ SPILL_BYTES_ALLOWED = 160 if _NEWER_ALLOCATOR else 64
 # measured (documents + band, Triton 3.7.1), 192-200 with a dense element mask (3.7.1, 3.6.0);
 # 272 and 280 with 3.9.0
 MASKED_SPILL_BYTES_ALLOWED = 320 if _NEWER_ALLOCATOR else 256
+# CONFIG["PIPELINE"] (issue 35; the dense kernel only, the masked one keeps 0): where a step's dQ
+# atomics go. NO_PIPELINE: after all five of its products, the tensor cores idle while they issue.
+# PIPELINE_ST_DPT: in the next step, once its Sᵀ and dPᵀ are issued (Sᵀ alone in the loop over the
+# diagonal's masked tiles, whose mask code needs the registers); PIPELINE_ST: under Sᵀ alone.
+# Cross-compiled for sm_90 (Triton 3.7.1, 2026-11-27), consumers' spills: none at d = 64 in any mode;
+# at d = 128 NO_PIPELINE 40 B, PIPELINE_ST_DPT 8 B (non-causal) / 64 B (causal), PIPELINE_ST 0 / 56 B;
+# the causal kernels' extra is in the masked loop (<= 2 steps a program), not the unmasked one
+# (SWITCH_EXTRA_SPILL_BYTES).
+NO_PIPELINE, PIPELINE_ST_DPT, PIPELINE_ST = 0, 1, 2
+PIPELINES = (NO_PIPELINE, PIPELINE_ST_DPT, PIPELINE_ST)
+# CONFIG["PERSISTENT"] (issue 35; the dense kernel, default off): where N <= PERSISTENT_MAX_N, a grid
+# of at most one program per SM, each walking (key tile, batch·head) items, instead of one program
+# per item: short programs pay their start (barriers, K and V's first copy) and end (dK, dV out) once
+# per program, not per item. Longer sequences keep the one-program-per-item grid.
+PERSISTENT_MAX_N = 2048
+# Spilled bytes either switch alone may add to the library's kernel at d = 128 (tests/test_gluon_backward.py):
+# scalars, never a tile. Cross-compiled for sm_90 (2026-11-27), causal kernels: the overlap +16 to +24 B
+# with Triton 3.6.0-3.8.0 (its masked loop), +8 with 3.9.0; the persistent grid (its item loop) +0 with
+# 3.6.0-3.8.0 (+8 non-causal with 3.6.0), +32 with 3.9.0. None at d = 64. Both switches together spill
+# more at d = 128 (112-160 B with 3.7.1, 128-168 with 3.6.0): tools/gluon_bwd_ablation.py times them.
+SWITCH_EXTRA_SPILL_BYTES = 32
 CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "num_warps": 8, "LOADER_REGS": 24,
           "DQ_MODE": DQ_BY_CONSUMER_WIDE,
-          "STATS_ASYNC": 1}
+          "STATS_ASYNC": 1, "PIPELINE": NO_PIPELINE, "PERSISTENT": False}
 LOG2_E = gluon_hopper.LOG2_E
 
 
@@ -100,6 +135,8 @@ if gluon_hopper.available():
     LOG2_E_GL = gl.constexpr(LOG2_E)
     UNBOUNDED_GL = gl.constexpr(UNBOUNDED)
     DQ_BY_CONSUMER_WIDE_GL = gl.constexpr(DQ_BY_CONSUMER_WIDE)
+    PIPELINE_ST_DPT_GL = gl.constexpr(PIPELINE_ST_DPT)
+    PIPELINE_ST_GL = gl.constexpr(PIPELINE_ST)
     # Names whose spelling depends on the Triton version (course_lib/kernels/compat.py): a barrier of
     # the partition's warps, the TMA copies, cp.async.
     from course_lib.kernels.compat import cp_async_load, tma_load, tma_store
@@ -141,15 +178,28 @@ if gluon_hopper.available():
         return gl.load(IDX + lrow * list_len + s // per_tile) * SPARSE_M + (s % per_tile) * BLOCK_M
 
     @gluon.jit
-    def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring, kv_bar, ready,
-                      empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q,
+    def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring, kv_bar,
+                      kv_empty, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_items, n_bh, n_q,
                       FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr,
-                      LISTS: gl.constexpr, SPARSE_M: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr,
+                      LISTS: gl.constexpr, SPARSE_M: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
         """One warp: K and V of the program's key tile once, then the copies of each step, in the
         consumers' order: dense, query tiles ``first ...``; LISTS (the masked backward), for each
-        query head of the K/V head's group, the Q tiles of its FULL list, then of its PARTIAL one."""
-        _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n)
+        query head of the K/V head's group, the Q tiles of its FULL list, then of its PARTIAL one.
+        PERSISTENT (dense): for each of the program's items, K and V once the consumers have stored the
+        previous item's dK and dV from their buffers (``kv_empty``), then the item's steps."""
+        if PERSISTENT:
+            step0 = 0
+            for j in range(0, _program_items(n_items)):
+                b, h, pid_bh, start_n, first, n_tiles = _dense_item(j, n_bh, n_heads, n_q, BLOCK_M, BLOCK_N, CAUSAL)
+                mbarrier.wait(kv_empty, (j & 1) ^ 1)  # phase 1 of a fresh barrier counts as complete
+                _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n)
+                for t in range(0, n_tiles):
+                    _bwd_load(step0 + t, (first + t) * BLOCK_M, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring,
+                              ready, empty, LSE, DELTA, b, h, pid_bh * n_q, n_q, BLOCK_M, STAGES, STATS_ASYNC)
+                step0 += n_tiles
+        else:
+            _bwd_load_kv(k_desc, v_desc, k4, v4, kv_bar, b, h, start_n)
         if LISTS:
             it = 0
             for g in range(0, group):
@@ -166,52 +216,104 @@ if gluon_hopper.available():
                                   do_ring, lse_ring, delta_ring, ready, empty, LSE, DELTA, b, hq, stats, n_q, BLOCK_M,
                                   STAGES, STATS_ASYNC)
                         it += 1
-        else:
+        elif not PERSISTENT:
             for t in range(0, n_tiles):
                 _bwd_load(t, (first + t) * BLOCK_M, q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready,
                           empty, LSE, DELTA, b, h, pid_bh * n_q, n_q, BLOCK_M, STAGES, STATS_ASYNC)
 
     @gluon.jit
-    def _bwd_tile(t, row0, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty,
-                  LSE, DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2,
-                  lo, hi, doc_k, DOC_Q, MASK, stride_mn, stride_mk,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  MASKED: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr, DENSE_MASK: gl.constexpr,
-                  EMPTY_ROWS: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
-                  a_layout: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr, num_warps: gl.constexpr):
-        """Step ``t`` of the program (its ring slot and phase): query rows ``row0 ...``, every
-        product, dK and dV updated and returned, dQ_i added into the buffer. ``MASKED``: apply the
-        element mask (keys and queries in range; BAND: ``row + lo <= key <= row + hi``, causal and
-        sliding windows, ``BAND`` 2, or the upper bound only, 1; DOCS: equal document ids; DENSE_MASK: the boolean mask).
-        ``EMPTY_ROWS``: a saved ``lse = -inf`` (a row that saw no key) is read as ``+inf``, so that
-        its P is 0 (the masked forward leaves such rows; the dense one cannot)."""
-        dtype: gl.constexpr = k_smem.dtype
-        st_layout: gl.constexpr = st_zero.type.layout
-        cols_l: gl.constexpr = gl.SliceLayout(0, st_layout)
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
-        slot = t % STAGES
-        # lse and Δ of the tile's queries: read here while the copies land (rows past N get
-        # lse = +inf, so P = 0 there), or (STATS_ASYNC, the library's) copied by the producer with
-        # the tile (rows past N read as 0: their Q and dO rows are zeros, so they add nothing).
-        cols = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
-        if not STATS_ASYNC:
-            lse = gl.load(LSE + stats + cols, mask=cols < n_q, other=float("inf"))
-            delta = gl.load(DELTA + stats + cols, mask=cols < n_q, other=0.0)
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)  # Q_i and dO_i have landed
+    def _dq_atomics(dq, row0, dq_base, n_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr,
+                    add_layout: gl.constexpr):
+        """Add ``dq`` (dQ of query rows ``row0 ...``, ``(BLOCK_M, HEAD_DIM)`` fp32) into the buffer at
+        ``dq_base``: 16-byte atomics after a layout change through shared memory (DQ_BY_CONSUMER_WIDE;
+        none when ``dq`` is in ``add_layout`` already), or 8-byte ones from the accumulator's layout."""
+        if DQ_MODE == DQ_BY_CONSUMER_WIDE_GL:
+            dq = gl.convert_layout(dq, add_layout)
+        layout: gl.constexpr = dq.type.layout
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        gl.atomic_add(dq_base + rows[:, None] * HEAD_DIM + cols[None, :], dq, mask=rows[:, None] < n_q, sem="relaxed")
+
+    @gluon.jit
+    def _dq_atomics_staged(dq_smem, row0, dq_base, n_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           DQ_MODE: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr):
+        """PIPELINE: add the dQ a step left in ``dq_smem`` (rows ``row0 ...``) into the buffer, read
+        back in the atomics' layout (the layout change of :func:`_dq_atomics`, through this buffer).
+        The barrier: every consumer thread's share of the tile is stored before any is read."""
+        _sync_warps()
+        if DQ_MODE == DQ_BY_CONSUMER_WIDE_GL:
+            dq = dq_smem.load(add_layout)
+        else:
+            dq = dq_smem.load(dq_layout)
+        _dq_atomics(dq, row0, dq_base, n_q, HEAD_DIM, BLOCK_M, DQ_MODE, add_layout)
+
+    @gluon.jit
+    def _tile_stats(lse, delta, lse_ring, delta_ring, slot, cols_l: gl.constexpr, STATS_ASYNC: gl.constexpr,
+                    EMPTY_ROWS: gl.constexpr):
+        """``(lse · log2 e, Δ)`` of a step's queries: ``lse`` and ``delta`` as loaded from global
+        memory, or (STATS_ASYNC) read from ring slot ``slot``; a saved ``lse = -inf`` read as ``+inf``
+        when ``EMPTY_ROWS`` (see :func:`_bwd_tile`)."""
         if STATS_ASYNC:
             lse = lse_ring.index(slot).load(cols_l)
             delta = delta_ring.index(slot).load(cols_l)
         if EMPTY_ROWS:
             lse = gl.where(lse == float("-inf"), float("inf"), lse)
-        lse_log2 = lse * LOG2_E_GL
+        return lse * LOG2_E_GL, delta
+
+    @gluon.jit
+    def _bwd_tile(t, row0, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty,
+                  LSE, DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale, qk_scale_log2,
+                  lo, hi, doc_k, DOC_Q, MASK, stride_mn, stride_mk, dq_smem, step0,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  MASKED: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr, DENSE_MASK: gl.constexpr,
+                  EMPTY_ROWS: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr, PIPELINE: gl.constexpr,
+                  a_layout: gl.constexpr, dq_layout: gl.constexpr, add_layout: gl.constexpr, num_warps: gl.constexpr):
+        """Step ``t`` of the program's item (ring step ``step0 + t``: its slot and phase; ``step0``, the
+        steps of the items before it, is 0 but in the persistent kernel): query rows ``row0 ...``, every
+        product, dK and dV updated and returned, dQ_i added into the buffer. ``MASKED``: apply the
+        element mask (keys and queries in range; BAND: ``row + lo <= key <= row + hi``, causal and
+        sliding windows, ``BAND`` 2, or the upper bound only, 1; DOCS: equal document ids; DENSE_MASK: the boolean mask).
+        ``EMPTY_ROWS``: a saved ``lse = -inf`` (a row that saw no key) is read as ``+inf``, so that
+        its P is 0 (the masked forward leaves such rows; the dense one cannot).
+
+        ``PIPELINE`` 0: dQ_i is added here, after every product of the step. Otherwise (the dense
+        kernel, whose steps are consecutive query tiles) dQ_i is left in ``dq_smem`` and the previous
+        step's (rows ``row0 - BLOCK_M ...``, none at ``t`` = 0) is added here, once this step's Sᵀ and
+        dPᵀ (PIPELINE_ST_DPT) or Sᵀ alone (PIPELINE_ST) are issued, so that the tensor cores work
+        while the atomics issue and drain; the caller adds the last step's. Staged in shared memory,
+        not registers: the consumers' 240 registers hold dK, dV and both products already."""
+        dtype: gl.constexpr = k_smem.dtype
+        st_layout: gl.constexpr = st_zero.type.layout
+        cols_l: gl.constexpr = gl.SliceLayout(0, st_layout)
+        slot = (step0 + t) % STAGES
+        # lse and Δ of the tile's queries: read here while the copies land (rows past N get
+        # lse = +inf, so P = 0 there), or (STATS_ASYNC, the library's) copied by the producer with
+        # the tile (rows past N read as 0: their Q and dO rows are zeros, so they add nothing).
+        cols = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
+        lse, delta = cols, cols  # placeholders, unused with STATS_ASYNC
+        if not STATS_ASYNC:
+            lse = gl.load(LSE + stats + cols, mask=cols < n_q, other=float("inf"))
+            delta = gl.load(DELTA + stats + cols, mask=cols < n_q, other=0.0)
+        mbarrier.wait(ready.index(slot), ((step0 + t) // STAGES) & 1)  # Q_i and dO_i have landed
+        if not PIPELINE:
+            lse_log2, delta = _tile_stats(lse, delta, lse_ring, delta_ring, slot, cols_l, STATS_ASYNC, EMPTY_ROWS)
         q = gluon_hopper._tile2d(q_ring, slot)  # (BLOCK_M, HEAD_DIM)
         do = gluon_hopper._tile2d(do_ring, slot)
 
         # Sᵀ and dPᵀ issued back to back; Sᵀ is waited for first (wgmma groups finish in
         # order: "at most 1 pending" leaves dPᵀ running under the exponentials).
         st_tok = warpgroup_mma(k_smem, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if PIPELINE == PIPELINE_ST_GL:  # the previous step's dQ under Sᵀ's product alone
+            if t > 0:
+                _dq_atomics_staged(dq_smem, row0 - BLOCK_M, dq_base, n_q, HEAD_DIM, BLOCK_M, DQ_MODE, dq_layout,
+                                   add_layout)
         dpt_tok = warpgroup_mma(v_smem, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if PIPELINE == PIPELINE_ST_DPT_GL:  # the previous step's dQ under this step's two products
+            if t > 0:
+                _dq_atomics_staged(dq_smem, row0 - BLOCK_M, dq_base, n_q, HEAD_DIM, BLOCK_M, DQ_MODE, dq_layout,
+                                   add_layout)
+        if PIPELINE:  # read after the atomics, so that the registers they take are not held across them
+            lse_log2, delta = _tile_stats(lse, delta, lse_ring, delta_ring, slot, cols_l, STATS_ASYNC, EMPTY_ROWS)
         st = warpgroup_mma_wait(1, deps=(st_tok,))
         st = st * qk_scale_log2 - lse_log2[None, :]
         if MASKED:  # keys-along-rows tiles: the element mask of gluon_masked's forward, transposed
@@ -244,32 +346,26 @@ if gluon_hopper.available():
         dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op, dst_op))
         mbarrier.arrive(empty.index(slot), count=1)  # Q_i and dO_i are read: the slot is free
-        if DQ_MODE == DQ_BY_CONSUMER_WIDE_GL:  # 16-byte atomics, after a layout change through shared memory
-            dq_add = gl.convert_layout(dq, add_layout)
-            rows = row0 + dq_rows
-            gl.atomic_add(dq_base + rows[:, None] * HEAD_DIM + dq_cols[None, :], dq_add,
-                          mask=rows[:, None] < n_q, sem="relaxed")
-        else:  # 8-byte atomics straight from the accumulator's layout
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-            gl.atomic_add(dq_base + rows[:, None] * HEAD_DIM + cols[None, :], dq, mask=rows[:, None] < n_q,
-                          sem="relaxed")
-
+        if PIPELINE:  # for the next step; every thread loaded the previous dQ before the barrier above
+            dq_smem.store(dq)
+        else:
+            _dq_atomics(dq, row0, dq_base, n_q, HEAD_DIM, BLOCK_M, DQ_MODE, add_layout)
         return dk, dv
 
     @gluon.jit
-    def _bwd_consumer(k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
-                      dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_q, n_k, scale,
-                      qk_scale_log2, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
-                      lo, hi, DOC_Q, DOC_K, MASK, stride_mh, stride_mn, stride_mk,
+    def _bwd_consumer(k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
+                      dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_items, n_bh, n_q, n_k,
+                      scale, qk_scale_log2, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads,
+                      group, lo, hi, DOC_Q, DOC_K, MASK, stride_mh, stride_mn, stride_mk,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, STATS_ASYNC: gl.constexpr,
                       LISTS: gl.constexpr, SPARSE_M: gl.constexpr, BAND: gl.constexpr, DOCS: gl.constexpr,
-                      DENSE_MASK: gl.constexpr, num_warps: gl.constexpr):
+                      DENSE_MASK: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
+                      num_warps: gl.constexpr):
         """The two consumer warpgroups: every product of every step, then dK and dV out by TMA.
-        Dense: the query tiles ``first ...``; LISTS: the steps of :func:`_bwd_producer`, FULL ones
-        without the element mask, PARTIAL ones with it, summing dK and dV over the group's heads."""
-        dtype: gl.constexpr = k4.dtype
+        Dense: the query tiles ``first ...`` (PERSISTENT: of each of the program's items, see
+        :func:`_dense_item`); LISTS: the steps of :func:`_bwd_producer`, FULL ones without the element
+        mask, PARTIAL ones with it, summing dK and dV over the group's heads."""
         k_smem = k4.reshape([BLOCK_N, HEAD_DIM])  # the 2-D views the products read
         v_smem = v4.reshape([BLOCK_N, HEAD_DIM])
         # Accumulator layouts (Hopper's wgmma, warps stacked along the 128 keys: warpgroup 0 owns
@@ -286,18 +382,17 @@ if gluon_hopper.available():
         # The atomic adds from a layout where each thread holds 4 neighbouring columns (16 bytes).
         add_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                                     warps_per_cta=[num_warps, 1], order=[1, 0])
-        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # one per row of Sᵀ
-        doc_k = keys  # placeholder without documents
-        if DOCS:
-            doc_k = gl.load(DOC_K + keys, mask=keys < n_k, other=-2)
-
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
         st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)  # use_acc=False ignores it
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
 
-        mbarrier.wait(kv_bar, 0)  # K and V have landed
         if LISTS:
+            keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # one per row of Sᵀ
+            doc_k = keys  # placeholder without documents
+            if DOCS:
+                doc_k = gl.load(DOC_K + keys, mask=keys < n_k, other=-2)
+            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+            mbarrier.wait(kv_bar, 0)  # K and V have landed
             it = 0
             for g in range(0, group):
                 hq = h * group + g
@@ -314,33 +409,104 @@ if gluon_hopper.available():
                         dk, dv = _bwd_tile(it, _list_row(idx, lrow, list_len, s, SPARSE_M, BLOCK_M), dk, dv, k_smem,
                                            v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, ready, empty, LSE,
                                            DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q, n_k, scale,
-                                           qk_scale_log2, lo, hi, doc_k, DOC_Q, mask_h, stride_mn, stride_mk, HEAD_DIM,
-                                           BLOCK_M, STAGES, part == 1, BAND, DOCS, DENSE_MASK, True, DQ_MODE,
-                                           STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
+                                           qk_scale_log2, lo, hi, doc_k, DOC_Q, mask_h, stride_mn, stride_mk, dq_smem,
+                                           0, HEAD_DIM, BLOCK_M, STAGES, part == 1, BAND, DOCS, DENSE_MASK, True,
+                                           DQ_MODE, STATS_ASYNC, 0, a_layout, dq_layout, add_layout, num_warps)
                         it += 1
+            _bwd_store_dkdv(dk, dv, k4, v4, dk_desc, dv_desc, b, h, start_n)
+        elif PERSISTENT:
+            # Items (key tile, batch·head) program_id + j · num_programs; the ring's steps run on across
+            # items (step0), kv_bar completes once an item (phase j & 1), and kv_empty tells the
+            # producer that this item's dK and dV have left K's and V's buffers for the next K and V.
+            step0 = 0
+            for j in range(0, _program_items(n_items)):
+                b, h, pid_bh, start_n, first, n_tiles = _dense_item(j, n_bh, n_heads, n_q, BLOCK_M, BLOCK_N, CAUSAL)
+                mbarrier.wait(kv_bar, j & 1)  # this item's K and V have landed
+                dk, dv = _bwd_dense_steps(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+                                          ready, empty, LSE, DELTA, DQ, pid_bh, start_n, first, n_tiles, n_q, n_k,
+                                          scale, qk_scale_log2, lo, hi, MASK, st_zero, dq_zero, step0, HEAD_DIM,
+                                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_MODE, STATS_ASYNC, PIPELINE, a_layout,
+                                          dq_layout, add_layout, kv_layout, num_warps)
+                _bwd_store_dkdv(dk, dv, k4, v4, dk_desc, dv_desc, b, h, start_n)
+                _sync_warps()  # every thread past the store's wait (the thread that issued it waited for it)
+                mbarrier.arrive(kv_empty, count=1)
+                step0 += n_tiles
         else:
-            dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
-            stats = pid_bh * n_q
-            ragged_keys = start_n + BLOCK_N > n_k  # this program holds the last, partial key tile
-            # The tiles that need the element mask first (a causal program's first BLOCK_N // BLOCK_M
-            # query tiles hold the diagonal; every tile of the program with the ragged keys), then the
-            # rest without it: two loops, so that the unmasked one carries no mask code at all.
-            n_masked = n_tiles if ragged_keys else (gl.minimum(BLOCK_N // BLOCK_M, n_tiles) if CAUSAL else 0)
-            for t in range(0, n_masked):
-                dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
-                                   delta_ring, ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero,
-                                   dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi, doc_k, DOC_Q, MASK, stride_mn,
-                                   stride_mk, HEAD_DIM, BLOCK_M, STAGES, True, CAUSAL, False, False, False, DQ_MODE,
-                                   STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
-            for t in range(n_masked, n_tiles):
-                dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
-                                   delta_ring, ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero,
-                                   dq_zero, n_q, n_k, scale, qk_scale_log2, lo, hi, doc_k, DOC_Q, MASK, stride_mn,
-                                   stride_mk, HEAD_DIM, BLOCK_M, STAGES, False, CAUSAL, False, False, False, DQ_MODE,
-                                   STATS_ASYNC, a_layout, dq_layout, add_layout, num_warps)
+            mbarrier.wait(kv_bar, 0)  # K and V have landed
+            dk, dv = _bwd_dense_steps(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem, ready,
+                                      empty, LSE, DELTA, DQ, pid_bh, start_n, first, n_tiles, n_q, n_k, scale,
+                                      qk_scale_log2, lo, hi, MASK, st_zero, dq_zero, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                      STAGES, CAUSAL, DQ_MODE, STATS_ASYNC, PIPELINE, a_layout, dq_layout, add_layout,
+                                      kv_layout, num_warps)
+            _bwd_store_dkdv(dk, dv, k4, v4, dk_desc, dv_desc, b, h, start_n)
 
-        # dK and dV out through the K and V buffers (no product reads them any more); TMA clips
-        # the rows past N.
+    @gluon.jit
+    def _program_items(n_items):
+        """How many of the ``n_items`` work items this program of the persistent grid takes: items
+        ``program_id, program_id + num_programs, ...``."""
+        return (n_items - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def _dense_item(j, n_bh, n_heads, n_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """``(b, h, pid_bh, start_n, first, n_tiles)`` of this program's ``j``-th work item of the
+        persistent grid, item ``program_id + j · num_programs``. Items count (key tile, batch·head)
+        pairs key tile first (causal: the first key tiles, which see the most query tiles, come
+        first), the order of the one-item grid's programs."""
+        item = gl.program_id(0) + j * gl.num_programs(0)
+        pid_bh = item % n_bh
+        start_n = (item // n_bh) * BLOCK_N
+        first = start_n // BLOCK_M if CAUSAL else 0  # causal: queries before the tile see none of its keys
+        return pid_bh // n_heads, pid_bh % n_heads, pid_bh, start_n, first, (n_q + BLOCK_M - 1) // BLOCK_M - first
+
+    @gluon.jit
+    def _bwd_dense_steps(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem, ready, empty, LSE,
+                         DELTA, DQ, pid_bh, start_n, first, n_tiles, n_q, n_k, scale, qk_scale_log2, lo, hi, MASK,
+                         st_zero, dq_zero, step0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                         STATS_ASYNC: gl.constexpr, PIPELINE: gl.constexpr, a_layout: gl.constexpr,
+                         dq_layout: gl.constexpr, add_layout: gl.constexpr, kv_layout: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """Every step of one dense item (query tiles ``first ...`` against keys ``start_n ...``;
+        ring steps ``step0 ...``): ``(dk, dv)``, fp32, dQ added into the buffer."""
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_zero.type.layout))  # one per row of Sᵀ
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+        dq_base = DQ + pid_bh.to(gl.int64) * n_q * HEAD_DIM
+        stats = pid_bh * n_q
+        ragged_keys = start_n + BLOCK_N > n_k  # this item holds the last, partial key tile
+        # The tiles that need the element mask first (a causal item's first BLOCK_N // BLOCK_M query
+        # tiles hold the diagonal; every tile of the item with the ragged keys), then the rest
+        # without it: two loops, so that the unmasked one carries no mask code at all.
+        n_masked = n_tiles if ragged_keys else (gl.minimum(BLOCK_N // BLOCK_M, n_tiles) if CAUSAL else 0)
+        # PIPELINE: each step leaves its dQ in dq_smem for the next, which adds it under its own
+        # first products; the last step's is added after the loops. (The element mask acts on Sᵀ
+        # after its product, so the hand-over crosses from the masked loop to the unmasked one as is.)
+        MASKED_PIPELINE: gl.constexpr = PIPELINE_ST_GL if PIPELINE else 0  # see PIPELINE_ST_DPT
+        for t in range(0, n_masked):
+            dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+                               ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q,
+                               n_k, scale, qk_scale_log2, lo, hi, keys, LSE, MASK, 0, 0, dq_smem, step0, HEAD_DIM,
+                               BLOCK_M, STAGES, True, CAUSAL, False, False, False, DQ_MODE, STATS_ASYNC,
+                               MASKED_PIPELINE, a_layout, dq_layout, add_layout, num_warps)
+        for t in range(n_masked, n_tiles):
+            dk, dv = _bwd_tile(t, (first + t) * BLOCK_M, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+                               ds_smem, ready, empty, LSE, DELTA, dq_base, stats, keys, start_n, st_zero, dq_zero, n_q,
+                               n_k, scale, qk_scale_log2, lo, hi, keys, LSE, MASK, 0, 0, dq_smem, step0, HEAD_DIM,
+                               BLOCK_M, STAGES, False, CAUSAL, False, False, False, DQ_MODE, STATS_ASYNC, PIPELINE,
+                               a_layout, dq_layout, add_layout, num_warps)
+        if PIPELINE:
+            if n_tiles > 0:  # the last step's dQ
+                _dq_atomics_staged(dq_smem, (first + n_tiles - 1) * BLOCK_M, dq_base, n_q, HEAD_DIM, BLOCK_M,
+                                   DQ_MODE, dq_layout, add_layout)
+        return dk, dv
+
+    @gluon.jit
+    def _bwd_store_dkdv(dk, dv, k4, v4, dk_desc, dv_desc, b, h, start_n):
+        """dK and dV out through the K and V buffers (no product reads them any more), waiting until
+        the copies have read them; TMA clips the rows past N."""
+        dtype: gl.constexpr = k4.dtype
+        k_smem = k4.reshape([k4.shape[2], k4.shape[3]])
+        v_smem = v4.reshape([v4.shape[2], v4.shape[3]])
         _sync_warps()
         k_smem.store(dk.to(dtype))
         v_smem.store(dv.to(dtype))
@@ -352,9 +518,12 @@ if gluon_hopper.available():
 
     @gluon.jit
     def _bwd_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STATS_ASYNC: gl.constexpr, PIPELINE: gl.constexpr,
+                     PERSISTENT: gl.constexpr):
         """Shared memory and barriers: K and V (2-D views of one TMA block each), the Q and dO
-        rings, dSᵀ twice, the lse and Δ rings; ``kv_bar`` and each slot's ready and empty barriers."""
+        rings, dSᵀ twice, the lse and Δ rings, (PIPELINE) one step's dQ in fp32 (``dq_smem``; dSᵀ's
+        buffers stand in for it otherwise, unused); ``kv_bar``, (PERSISTENT) ``kv_empty`` (``kv_bar``
+        stands in otherwise, unused) and each slot's ready and empty barriers."""
         dtype: gl.constexpr = q_desc.dtype
         k4 = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v4 = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -365,58 +534,72 @@ if gluon_hopper.available():
         stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
         delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+        dq_smem = ds_smem
+        if PIPELINE:
+            # Swizzled by 16-byte chunks: the accumulator layout's stores (8 rows x 8 columns a warp)
+            # and the atomics' loads (one row a warp) both find 32 distinct banks.
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(
+                4, 1, 8, order=[1, 0]))
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        kv_empty = kv_bar
+        if PERSISTENT:
+            kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_empty, count=1)
         for i in gl.static_range(STAGES):
             # the producer's expect, plus (STATS_ASYNC) one cp.async arrival per producer thread
             mbarrier.init(ready.index(i), count=1 + 32 * STATS_ASYNC)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
-        return k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty
+        return k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, dq_smem, kv_bar, kv_empty, ready, empty
 
     @gluon.jit
-    def _bwd_invalidate(kv_bar, ready, empty, STAGES: gl.constexpr):
+    def _bwd_invalidate(kv_bar, kv_empty, ready, empty, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         mbarrier.invalidate(kv_bar)
+        if PERSISTENT:
+            mbarrier.invalidate(kv_empty)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
 
     @gluon.jit
     def attention_backward_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
-                                        n_heads, n_q, n_k, scale, qk_scale_log2,
+                                        n_heads, n_bh, n_q, n_k, scale, qk_scale_log2,
                                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                                        STATS_ASYNC: gl.constexpr,
+                                        STATS_ASYNC: gl.constexpr, PIPELINE: gl.constexpr, PERSISTENT: gl.constexpr,
                                         LOADER_REGS: gl.constexpr,
                                         num_warps: gl.constexpr):
         """One program: BLOCK_N keys of one (batch, head). Grid ``(cdiv(N, BLOCK_N), B·H)``; axis 0
         from the first key tile, which (causal) sees the most query tiles, so the longest programs
-        start first."""
+        start first. PERSISTENT: a grid ``(P,)`` whose program ``p`` takes the work items (key tile,
+        batch·head) ``p, p + P, ...`` of the ``cdiv(N, BLOCK_N) · n_bh`` in that order
+        (:func:`_dense_item`); the partitions work them out for themselves."""
         start_n = gl.program_id(0) * BLOCK_N
         pid_bh = gl.program_id(1)
         b = pid_bh // n_heads
         h = pid_bh % n_heads
         first = start_n // BLOCK_M if CAUSAL else 0  # causal: queries before the tile see none of its keys
         n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M - first
-        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty = _bwd_buffers(
-            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC)
+        n_items = (n_k + BLOCK_N - 1) // BLOCK_N * n_bh
+        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, dq_smem, kv_bar, kv_empty, ready, empty = _bwd_buffers(
+            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC, PIPELINE, PERSISTENT)
         lo = -UNBOUNDED_GL  # the causal band: key <= query (hi = 0), no lower bound
         gl.warp_specialize(
-            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
-                              dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_q, n_k,
-                              scale, qk_scale_log2, LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
+            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                              empty, dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, first, n_tiles, n_items,
+                              n_bh, n_q, n_k, scale, qk_scale_log2, LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
                               lo, 0, LSE, LSE, LSE, 0, 0, 0,
                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DQ_MODE,
-                              STATS_ASYNC, False, BLOCK_N, CAUSAL, False, False, num_warps)),
+                              STATS_ASYNC, False, BLOCK_N, CAUSAL, False, False, PIPELINE, PERSISTENT, num_warps)),
              (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring,
-                              kv_bar, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles, n_q,
-                              LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
-                              BLOCK_M, STAGES, STATS_ASYNC, False, BLOCK_N))],
+                              kv_bar, kv_empty, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, first, n_tiles,
+                              n_items, n_bh, n_q, LSE, LSE, LSE, LSE, 0, 0, 0, n_heads, 1,
+                              BLOCK_M, BLOCK_N, STAGES, STATS_ASYNC, False, BLOCK_N, CAUSAL, PERSISTENT))],
             [1], [LOADER_REGS])
-        _bwd_invalidate(kv_bar, ready, empty, STAGES)
-
+        _bwd_invalidate(kv_bar, kv_empty, ready, empty, STAGES, PERSISTENT)
 
     @gluon.jit
     def masked_backward_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ,
@@ -438,24 +621,24 @@ if gluon_hopper.available():
         tile = gl.load(ORDER + b * list_sb + h * group * list_sh + gl.program_id(0))
         start_n = tile * BLOCK_N
         lrow0 = b * list_sb + tile  # this K/V tile's row of the transposed lists, head 0
-        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, kv_bar, ready, empty = _bwd_buffers(
-            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC)
+        k4, v4, q_ring, do_ring, ds_smem, lse_ring, delta_ring, dq_smem, kv_bar, kv_empty, ready, empty = _bwd_buffers(
+            q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, STATS_ASYNC, 0, False)
         doc_q = DOC_Q + b * stride_docq
         doc_k = DOC_K + b * stride_dock
         mask = MASK + b * stride_mb
         gl.warp_specialize(
-            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, kv_bar, ready, empty,
-                              dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, 0, 0, n_q, n_k,
+            [(_bwd_consumer, (k4, v4, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                              empty, dk_desc, dv_desc, LSE, DELTA, DQ, b, h, pid_bh, start_n, 0, 0, 0, 0, n_q, n_k,
                               scale, qk_scale_log2, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len,
                               n_heads, group, lo, hi, doc_q, doc_k, mask, stride_mh, stride_mn, stride_mk,
                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False, DQ_MODE, STATS_ASYNC, True, SPARSE_M,
-                              BAND, DOCS, DENSE_MASK, num_warps)),
+                              BAND, DOCS, DENSE_MASK, 0, False, num_warps)),
              (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k4, v4, q_ring, do_ring, lse_ring, delta_ring,
-                              kv_bar, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, 0, 0, n_q,
+                              kv_bar, kv_empty, ready, empty, LSE, DELTA, b, h, pid_bh, start_n, 0, 0, 0, 0, n_q,
                               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, lrow0, list_sh, list_len, n_heads, group,
-                              BLOCK_M, STAGES, STATS_ASYNC, True, SPARSE_M))],
+                              BLOCK_M, BLOCK_N, STAGES, STATS_ASYNC, True, SPARSE_M, False, False))],
             [1], [LOADER_REGS])
-        _bwd_invalidate(kv_bar, ready, empty, STAGES)
+        _bwd_invalidate(kv_bar, kv_empty, ready, empty, STAGES, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -513,6 +696,16 @@ def _delta(o, do, lse, launch, delta=None):
     return run_delta(launch, o, do, lse, delta)
 
 
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of ``device``'s GPU (an H100's for CPU tensors: the sm_90 stand-in,
+    which compiles and never launches)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    from course_lib.platform import hardware
+
+    return hardware.get_gpu("H100 SXM").sm_count
+
+
 class BackwardLaunch:
     """:func:`attention_backward_gluon` for one call signature: the inputs checked, config, grid,
     constexprs and the Δ launch worked out once (the library's launch plans keep one per signature,
@@ -523,7 +716,8 @@ class BackwardLaunch:
         cache: launch later calls by the compiled kernels' handles, with the first call's descriptors.
 
     Raises:
-        ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
+        ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`) or a
+        ``PIPELINE`` out of range; TypeError for a ``PERSISTENT`` that is not a bool.
     """
 
     def __init__(self, q, k, v, o, do, lse, causal: bool, config: dict | None = None, cache: bool = False):
@@ -533,7 +727,13 @@ class BackwardLaunch:
         _check_lse("attention_backward_gluon", lse, q)
         batch, heads, n, d = q.shape
         cfg = {**CONFIG, **(config or {})}
-        self.shape, self.dtype, self.device, self.sizes = (batch, heads, n, d), q.dtype, q.device, (heads, n, n)
+        if cfg["PIPELINE"] not in PIPELINES:
+            raise ValueError(f"attention_backward_gluon: config['PIPELINE'] must be one of {PIPELINES}, "
+                             f"got {cfg['PIPELINE']!r}")
+        if not isinstance(cfg["PERSISTENT"], bool):
+            raise TypeError(f"attention_backward_gluon: config['PERSISTENT'] must be a bool, got {cfg['PERSISTENT']!r}")
+        self.shape, self.dtype, self.device = (batch, heads, n, d), q.dtype, q.device
+        self.sizes = (heads, batch * heads, n, n)
         self.compiling_only = gluon_hopper._compiling_only()
         self.delta = _delta_launch(o, cache)
         from course_lib.kernels.backward import Buffers
@@ -542,9 +742,14 @@ class BackwardLaunch:
         self.buffers = Buffers(self.shape, self.shape, q.dtype, torch.float32, q.device, one_pass=True)
         m, n_rows = cfg["BLOCK_M"], cfg["BLOCK_N"]
         self.descriptors = gluon_hopper.Descriptors((m, n_rows, n_rows, m, n_rows, n_rows), cache)  # q k v do dk dv
-        self.launch = CachedLaunch(attention_backward_gluon_kernel, (triton.cdiv(n, n_rows), batch * heads), dict(
+        grid = (triton.cdiv(n, n_rows), batch * heads)
+        persistent = bool(cfg["PERSISTENT"]) and n <= PERSISTENT_MAX_N
+        if persistent:  # one program per SM at most, each taking items grid[0] * grid[1] / P of them
+            grid = (min(_sm_count(q.device), grid[0] * grid[1]),)
+        self.launch = CachedLaunch(attention_backward_gluon_kernel, grid, dict(
             HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n_rows, STAGES=cfg["STAGES"], CAUSAL=bool(causal), DQ_MODE=cfg["DQ_MODE"],
-            STATS_ASYNC=cfg["STATS_ASYNC"], LOADER_REGS=cfg["LOADER_REGS"], num_warps=cfg["num_warps"]), cache)
+            STATS_ASYNC=cfg["STATS_ASYNC"], PIPELINE=cfg["PIPELINE"], PERSISTENT=persistent,
+            LOADER_REGS=cfg["LOADER_REGS"], num_warps=cfg["num_warps"]), cache)
 
     def __call__(self, q, k, v, do, dk, dv, lse, delta, dq_acc, scale: float):
         """Launch into ``dk``, ``dv`` and ``dq_acc``; return the compiled kernel."""
@@ -561,11 +766,14 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
             stand-in driver that only compiles), d = 128, TMA-readable strides.
         lse: ``(B, H, N)`` float32 contiguous, the natural-log log-sum-exp of the forward.
         causal, scale: as in the forward.
+        config: entries that replace :data:`CONFIG`'s (``PIPELINE``: one of :data:`PIPELINES`;
+            ``PERSISTENT``: a bool).
         launch: a :class:`BackwardLaunch` made for these inputs' call signature (the library's
-            launch plans keep one); None: made here.
+            launch plans keep one); None: made here (then ``config`` applies; a given launch has its own).
 
     Raises:
-        ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`).
+        ValueError naming what is not covered (see :func:`gluon_backward_unsupported_reason`) or a
+        ``PIPELINE`` out of range; TypeError for a ``PERSISTENT`` that is not a bool.
     """
     launch = launch or BackwardLaunch(q, k, v, o, do, lse, causal, config)
     dq_acc, delta = launch.buffers.scratch()
@@ -584,14 +792,47 @@ def attention_backward_gluon(do, q, k, v, o, lse, causal: bool, scale: float, co
 attention_backward_gluon.last_kernel = None
 
 
+# PTX of the dQ atomics: a 16- or 8-byte fp32 add (atom on Triton 3.6-3.8; red from 3.9, the same
+# add with its old value unused), and the wgmma instructions and mbarrier waits around them.
+PTX_DQ_ADD = re.compile(r"(?:atom|red)\.global\.gpu\.relaxed\.add\.v[24]\.f32")
+_PTX_PIPELINE_EVENTS = re.compile(r"wgmma\.mma_async|wgmma\.wait_group|mbarrier\.try_wait|^\$L__BB\w+:|"
+                                  + PTX_DQ_ADD.pattern, re.MULTILINE)
+
+
+def dq_overlap(ptx: str) -> list[int]:
+    """For each run of dQ atomics in ``ptx`` (in text order), how many ``wgmma.mma_async`` were
+    issued before it, in the same stretch of straight-line text (no label between), since the last
+    ``mbarrier.try_wait`` (a ring slot's "ready") or ``wgmma.wait_group``: the products in flight
+    while the atomics issue. PIPELINE 0 gives 0 for every run (each step waits for all its products,
+    then adds dQ); PIPELINE_ST gives Sᵀ's instructions (d / 16 at d = 64 and 128) for the loops'
+    runs, PIPELINE_ST_DPT Sᵀ's and dPᵀ's (2 · d / 16) for the unmasked loop's and Sᵀ's for the
+    masked one's; both 0 for the last step's adds, after the loops. (The if-block that skips the
+    first step's adds falls through from the issue, unlabelled, as LLVM lays it out.)"""
+    runs, issued, in_run = [], 0, False
+    for event in _PTX_PIPELINE_EVENTS.findall(ptx):
+        if PTX_DQ_ADD.fullmatch(event):
+            if not in_run:
+                runs.append(issued)
+            in_run = True
+            continue
+        in_run = False
+        if event == "wgmma.mma_async":
+            issued += 1
+        else:  # a wait for products or for a ring slot: nothing issued since is in flight any more
+            issued = 0
+    return runs
+
+
 def cross_compile(causal: bool = True, dtype=torch.float16, n: int = 1000, head_dim: int = 128,
                   config: dict | None = None) -> dict:
-    """Compile the kernel for sm_90 without a GPU and return :func:`gluon_hopper.kernel_facts`."""
+    """Compile the kernel for sm_90 without a GPU and return :func:`gluon_hopper.kernel_facts`, with
+    ``dq_overlap`` (:func:`dq_overlap` of its PTX)."""
     with gluon_hopper.stand_in_sm90():
         x = torch.zeros(1, 1, n, head_dim, dtype=dtype)
         lse = torch.zeros(1, 1, n, dtype=torch.float32)
         attention_backward_gluon(x, x, x, x, x, lse, causal, head_dim ** -0.5, config=config)
-        return gluon_hopper.kernel_facts(attention_backward_gluon.last_kernel)
+        kernel = attention_backward_gluon.last_kernel
+        return {**gluon_hopper.kernel_facts(kernel), "dq_overlap": dq_overlap(kernel.asm["ptx"])}
 
 
 # ----------------------------------------------------------------------------------------------
