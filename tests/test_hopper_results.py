@@ -357,3 +357,202 @@ def test_cudnn_standing_reads_the_recorded_grids_and_the_targets():
     text = hr.cudnn_standing_table()
     assert bench.TIMER_NOTES["cudagraph"] in text and bench.TIMER_NOTES["eager"] in text
     assert "(≥ 1.00)" in text and "(≥ 0.85)" in text and "(no target)" in text
+
+
+# ---------------------------------------------------------------- the backward's overlap and persistent grid
+
+@pytest.fixture(scope="module")
+def bwd_ab():
+    return hr.load_bwd_overlap()
+
+
+def _bwd_line(table: str, *first_words: str) -> str:
+    """The one line of ``table`` that starts with ``first_words`` (split on whitespace)."""
+    found = [x for x in table.splitlines() if x.split()[:len(first_words)] == list(first_words)]
+    assert len(found) == 1, (first_words, found)
+    return found[0]
+
+
+def test_bwd_overlap_record_names_where_and_how_and_every_config_passed(bwd_ab):
+    line = hr.provenance(bwd_ab)
+    assert "H100" in line and "driver 580" in line and "triton 3.6.0" in line and "2026-11-27" in line
+    assert bench.TIMER_NOTES["cudagraph"] in line
+    assert hr.BWD_OVERLAP_FILE.stat().st_size <= FA4_RECORD_MAX_BYTES
+    assert len(bwd_ab["speed"]["cells"]) == 12  # bf16 x d 64/128 x N 1k/4k/16k x causal
+    assert not bwd_ab["skipped"] and not bwd_ab["failed"] and not bwd_ab["excluded"]
+    accuracy = bwd_ab["summary"]["accuracy"]
+    assert len(accuracy) == 10 and all(a["passed"] == a["cases"] for a in accuracy.values())
+    assert sum(a["cases"] for a in accuracy.values()) == 240
+
+
+def test_bwd_overlap_rows_give_the_recorded_summary(bwd_ab):
+    for pass_ in hr.BWD_PASSES:
+        rows = hr.bwd_overlap_rows(bwd_ab, pass_)
+        assert len(rows) == sum(t is not None for v in bwd_ab["speed"]["tflops"][pass_].values() for t in v)
+        assert hr.fa4_speed_summary(rows) == bwd_ab["summary"]["speed"][pass_]
+    with pytest.raises(ValueError, match="pass_ must be one of .*got 'fwd'"):
+        hr.bwd_overlap_rows(bwd_ab, "fwd")
+
+
+def test_bwd_overlap_summary_table_shows_the_recorded_numbers(bwd_ab):
+    text = hr.bwd_overlap_summary_table(bwd_ab)
+    assert text.splitlines()[0] == hr.provenance(bwd_ab)
+    assert "persistent, persistent_overlap timed at N = 1024 only" in text
+    speed = bwd_ab["summary"]["speed"]
+    for name in speed["bwd"]:
+        if name.startswith(hr.FA4_CUDNN):
+            continue
+        _, d, config = name.split("/")
+        parts = _bwd_line(text, d, config).split("|")
+        assert parts[0].split()[-1] == str(speed["bwd"][name]["cells"])
+        for part, pass_ in zip(parts[1:], hr.BWD_PASSES):
+            s = speed[pass_][name]
+            assert part.split() == [f"{s[k]:.3f}" for k in ("median_x_cudnn", "min_x_cudnn", "median_x_baseline")]
+    assert _bwd_line(text, "128", "persistent_overlap").split("|")[0].split()[2:5] == ["PERSISTENT", "+", "PIPELINE=1"]
+
+
+def test_bwd_overlap_cell_table_divides_each_config_by_the_baseline_in_its_cell(bwd_ab):
+    for pass_ in hr.BWD_PASSES:
+        cells = hr.fa4_cells(hr.bwd_overlap_rows(bwd_ab, pass_))
+        body = hr.bwd_overlap_cell_table(bwd_ab, pass_).splitlines()[4:]
+        assert len(body) == len(bwd_ab["speed"]["cells"])
+        others = [c for c in bwd_ab["meta"]["configs"] if c != "baseline"]
+        for (dtype, d, n, causal), line in zip(bwd_ab["speed"]["cells"], body):
+            base = cells[(f"bwd/{d}/baseline", dtype, n, causal)]
+            cudnn = cells[(f"sdpa_cudnn/{d}", dtype, n, causal)]
+            assert line.split("|")[1].split() == [str(base), f"{base / cudnn:.3f}"]
+            expected = [f"{cells[key] / base:.3f}" if (key := (f"bwd/{d}/{c}", dtype, n, causal)) in cells else "-"
+                        for c in others]
+            assert line.split("|")[2].split() == expected
+
+
+def test_bwd_overlap_facts_table_holds_the_compiled_facts_and_the_checks(bwd_ab):
+    import runpy
+    from pathlib import Path
+
+    text = hr.bwd_overlap_facts_table(bwd_ab)
+    for name, facts in bwd_ab["compile"].items():
+        _, d, config = name.split("/")
+        parts = _bwd_line(text, d, config).split("|")
+        assert parts[1].split()[:2] == [str(facts["spill_bytes"]), f"{facts['shared_bytes'] / 1024:.1f}"]
+        assert "".join(parts[1].split()[2:]) == str(facts["dq_overlap"]).replace(" ", "")
+        a = bwd_ab["summary"]["accuracy"][name]
+        assert parts[2].split() == [f"{a['by_inputs'][k]['passed']}/{a['by_inputs'][k]['cases']}" for k in ("ordinary", "fuzz")]
+        assert parts[3].split() == [f"{a[f'worst_{g}_x_sdpa']:.2f}" for g in hr.BWD_GRADS]
+    # the table names the compiled kernel the tool keeps the facts of
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "gluon_bwd_ablation.py"))
+    dtype, causal, n = tool["FACTS_CASE"]
+    assert (dtype, causal) == ("float16", True) and f"fp16 causal N = {n} one" in text
+
+
+def test_bwd_overlap_tables_show_a_dash_where_nothing_was_measured(bwd_ab):
+    import copy
+
+    data = copy.deepcopy(bwd_ab)
+    del data["summary"]["speed"]["fwd+bwd"]["bwd/64/overlap"]  # timed in one pass only
+    del data["summary"]["accuracy"]["bwd/64/overlap"]  # its checks did not run
+    data["compile"]["bwd/64/overlap"] = {"error": "CompilationError: out of resources"}
+    summary = _bwd_line(hr.bwd_overlap_summary_table(data), "64", "overlap").split("|")
+    assert summary[2].split() == ["-", "-", "-"] and summary[1].split() == ["0.832", "0.760", "0.974"]
+    facts = _bwd_line(hr.bwd_overlap_facts_table(data), "64", "overlap").split("|")
+    assert "CompilationError" in facts[1] and facts[2].split() == ["-", "-"] and facts[3].split() == ["-"] * 3
+
+
+def test_bwd_overlap_missing_file_warns_and_gives_none(tmp_path):
+    with pytest.warns(UserWarning, match=r"no recorded backward ablation at .*nothing.json: run tools/gluon_bwd_ablation.py"):
+        assert hr.load_bwd_overlap(tmp_path / "nothing.json") is None
+
+
+H100_REGISTERS_PER_SM = 65_536  # 32-bit registers, a 256 KB register file per SM (NVIDIA H100 whitepaper, 2022)
+
+
+def _ch09_prose(cell_id: str) -> str:
+    """A markdown cell of chapter 09 (solutions/), its whitespace collapsed to single spaces."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "solutions" / "09_flashattention3_hopper.ipynb")
+                    .read_text(encoding="utf-8"))
+    [cell] = [c for c in nb["cells"] if c.get("id") == cell_id]
+    source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+    return " ".join(source.split())
+
+
+def _pct_loss(ratio: float) -> str:
+    """``1 - ratio`` as the prose writes a loss: one decimal, or none from 10% up."""
+    loss = 100 * (1 - ratio)
+    return f"{loss:.1f}" if loss < 10 else f"{loss:.0f}"
+
+
+def test_chapter_09_quotes_the_backward_ablation_as_recorded(bwd_ab):
+    """Every number section 8's backward prose quotes, recomputed from the record (and the H100's figures)."""
+    import math
+    import re
+    import statistics
+
+    from course_lib.platform import hardware
+
+    h100 = hardware.get_gpu("H100 SXM")
+    speed, compiled = bwd_ab["summary"]["speed"], bwd_ab["compile"]
+    base = lambda d, p="bwd": speed[p][f"bwd/{d}/baseline"]  # noqa: E731
+    ratio = lambda d, c, p="bwd": speed[p][f"bwd/{d}/{c}"]["median_x_baseline"]  # noqa: E731
+
+    # the prediction: 0.3-0.6 µs of a step at today's median speed (d = 128, 5 products of 64 x 128 x d)
+    prediction = _ch09_prose("c09-bo03")
+    step_flop = 5 * 2 * 64 * 128 * 128
+    today = statistics.median(r["tflops"] for r in hr.bwd_overlap_rows(bwd_ab, "bwd") if r["impl"] == "bwd/128/baseline")
+    step_us = step_flop / (today / h100.sm_count * 1e12) * 1e6
+    assert f"0.3–0.6 µs a step, {100 * 0.3 / step_us:.0f}–{100 * 0.6 / step_us:.0f}% of it" in prediction
+    # one program per SM either way: two consumer warpgroups (128 threads each) at the registers setmaxnreg gives them
+    for d in (128, 64):
+        consumer_regs = max(int(x.split()[1]) for x in compiled[f"bwd/{d}/baseline"]["setmaxnreg"] if x.startswith("inc"))
+        held = 2 * 128 * consumer_regs
+        assert f"2 × 128 × {consumer_regs} = {held:,} of an SM's {H100_REGISTERS_PER_SM:,} registers" in prediction
+        assert H100_REGISTERS_PER_SM / 2 < held <= H100_REGISTERS_PER_SM
+
+    findings = _ch09_prose("c09-bo09")
+    cases = sum(a["cases"] for a in bwd_ab["summary"]["accuracy"].values())
+    assert f"{cases} of {cases} cases" in findings
+    assert (f"loses {_pct_loss(ratio(128, 'overlap'))}% (d = 128) and {_pct_loss(ratio(64, 'overlap'))}% (d = 64) at the "
+            f"median with both products") in findings
+    assert f"{_pct_loss(ratio(128, 'overlap_st'))}% and {_pct_loss(ratio(64, 'overlap_st'))}% with `Sᵀ` alone" in findings
+    # cell by cell: slower in all but one cell
+    cells = hr.fa4_cells(hr.bwd_overlap_rows(bwd_ab, "bwd"))
+    per_cell = {(c, dtype, d, n, causal): cells[(f"bwd/{d}/{c}", dtype, n, causal)] / cells[(f"bwd/{d}/baseline", dtype, n, causal)]
+                for dtype, d, n, causal in bwd_ab["speed"]["cells"] for c in ("overlap", "overlap_st")}
+    faster = {k: r for k, r in per_cell.items() if r >= 1}
+    assert f"slower in {len(per_cell) - len(faster)} of the {len(per_cell)} cells" in findings
+    [((_, _, d, n, causal), r)] = faster.items()
+    assert f"the exception +{100 * (r - 1):.1f}% (d = {d}, N = {n // 1024}k, {'causal' if causal else 'not causal'})" in findings
+    assert (f"from {base(128, 'fwd+bwd')['median_x_cudnn']:.3f}× cuDNN at the median to "
+            f"{speed['fwd+bwd']['bwd/128/overlap']['median_x_cudnn']:.3f}×") in findings
+    in_flight = {d: sorted({n for c in ("overlap", "overlap_st") for n in compiled[f"bwd/{d}/{c}"]["dq_overlap"] if n})
+                 for d in (128, 64)}
+    assert in_flight == {d: [d // 16, 2 * d // 16] for d in (128, 64)}  # Sᵀ's instructions, or Sᵀ's and dPᵀ's
+    assert f"{in_flight[128][0]} or {in_flight[128][1]} `wgmma` instructions" in findings
+    assert f"{in_flight[64][0]} or {in_flight[64][1]} at d = 64" in findings
+    assert all(compiled[f"bwd/{d}/baseline"]["dq_overlap"] == [0, 0] for d in (128, 64))
+    spills = {c: compiled[f"bwd/128/{c}"]["spill_bytes"] for c in ("overlap", "overlap_st", "baseline")}
+    assert f"({spills['overlap']} and {spills['overlap_st']} bytes against {spills['baseline']})" in findings
+    assert all(compiled[f"bwd/64/{c}"]["spill_bytes"] == 0 for c in bwd_ab["meta"]["configs"])
+    gap = max(abs(ratio(d, "overlap") - ratio(d, "overlap_st")) for d in (128, 64))
+    assert f"within {100 * gap:.1f}% of `Sᵀ` alone" in findings
+    assert f"`dQ_i` ({64 * 128 * 4 // 1024} KiB a step at d = 128)" in findings
+    assert (f"loses {_pct_loss(ratio(128, 'persistent'))}% (d = 128) and {_pct_loss(ratio(64, 'persistent'))}% (d = 64) "
+            "at the median of its two cells") in findings
+    persistent_128 = [cells[("bwd/128/persistent", "bfloat16", 1024, causal)]
+                      / cells[("bwd/128/baseline", "bfloat16", 1024, causal)] for causal in (False, True)]
+    assert f"{persistent_128[0]:.3f} of the baseline without the mask, {persistent_128[1]:.3f} with it" in findings
+    batch, heads = bench.problem_shape(1024, 128)
+    items = batch * heads * 1024 // 128  # (128-key tile, batch·head) items at N = 1k
+    per_program = items / h100.sm_count
+    assert (f"{items:,} items over {h100.sm_count} programs is {math.floor(per_program)} or {math.ceil(per_program)} each: "
+            f"the fixed share costs at most {math.ceil(per_program) / per_program - 1:.0%} there, not "
+            f"{_pct_loss(persistent_128[0])}%") in findings
+
+    persistent = sorted(round(100 * (1 - ratio(d, "persistent"))) for d in (128, 64))
+    assert f"lost {persistent[0]}–{persistent[1]}% there" in _ch09_prose("c09-fa19")
+    overlap = sorted(100 * (1 - ratio(d, c)) for d in (128, 64) for c in ("overlap", "overlap_st"))
+    summary = re.search(r"\(−([\d.]+)% to −([\d.]+)% and −(\d+)% to −(\d+)% at the median\)", _ch09_prose("c09-052"))
+    assert summary, "the summary no longer quotes the backward's two switches"
+    assert summary.groups() == (f"{overlap[0]:.1f}", f"{overlap[-1]:.1f}", *map(str, persistent))

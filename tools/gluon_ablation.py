@@ -378,14 +378,20 @@ def record(full: dict) -> dict:
             **{key: full.get(key, []) for key in ("skipped", "failed", "excluded")}}
 
 
-def write_record(full_path: Path | str, out: Path | str = hopper_results.FA4_FILE) -> dict:
-    """Read a full run's JSON at ``full_path``, write its :func:`record` to ``out``, return it."""
+def write_record(full_path: Path | str, out: Path | str = hopper_results.FA4_FILE, trim=None,
+                 tool: str = "tools/gluon_ablation.py") -> dict:
+    """Read a full run's JSON at ``full_path``, write its trimmed record to ``out``, return it.
+
+    Args:
+        trim: ``full dict -> record dict``; None: this tool's :func:`record`.
+            ``tools/gluon_bwd_ablation.py`` passes its own, with its name as ``tool``.
+        tool: the tool whose ``--out`` made ``full_path``, named in the error.
+    Raises ValueError naming ``full_path`` when it is not a full run (a key of it missing)."""
     full = json.loads(Path(full_path).read_text())
     missing = {"meta", "compile", "errors", "speed"} - set(full)
     if missing:
-        raise ValueError(f"full_path must be a full run of tools/gluon_ablation.py (--out), "
-                         f"{full_path} lacks {sorted(missing)}")
-    data = record(full)
+        raise ValueError(f"full_path must be a full run of {tool} (--out), {full_path} lacks {sorted(missing)}")
+    data = (trim or record)(full)
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     return data
 

@@ -331,12 +331,7 @@ def record(full: dict) -> dict:
 def write_record(full_path: Path | str, out: Path | str = RECORD_FILE) -> dict:
     """Read a full run's JSON at ``full_path``, write its :func:`record` to ``out``, return it.
     Raises ValueError naming ``full_path`` when it is not a full run (the forward ablation's check)."""
-    full = json.loads(Path(full_path).read_text())
-    if missing := sorted({"meta", "compile", "errors", "speed"} - set(full)):
-        raise ValueError(f"full_path must be a full run of tools/gluon_bwd_ablation.py (--out), "
-                         f"{full_path} lacks {missing}")
-    Path(out).write_text(json.dumps(data := record(full), indent=1) + "\n")
-    return data
+    return gluon_ablation.write_record(full_path, out, trim=record, tool="tools/gluon_bwd_ablation.py")
 
 
 def _speed_table(speed: dict, pass_: str, d: int) -> list[str]:

@@ -17,14 +17,18 @@ Section 7's Gluon forward and backward have records of their own (``h100_gluon.j
 ``h100_gluon_backward.json``), and so does section 8's ablation of FlashAttention-4's two tricks
 in the Gluon forward (``h100_fa4_ablation.json``, trimmed from a run of ``tools/gluon_ablation.py``
 by its ``--record``): :func:`load_fa4`, :func:`fa4_summary_table`, :func:`fa4_cell_table`,
-:func:`fa4_accuracy_table`; :func:`cudnn_standing_table` sets the recorded grids beside issue 35's
-targets.
+:func:`fa4_accuracy_table`; and so does its ablation of the Gluon backward's overlap and persistent
+grid (``h100_gluon_bwd_overlap.json``, from ``tools/gluon_bwd_ablation.py --record``):
+:func:`load_bwd_overlap`, :func:`bwd_overlap_summary_table`, :func:`bwd_overlap_cell_table`,
+:func:`bwd_overlap_facts_table`. :func:`cudnn_standing_table` sets the recorded grids beside issue
+35's targets.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import warnings
 from pathlib import Path
 
 from course_lib.measure import bench
@@ -294,6 +298,11 @@ def gluon_rows(data: dict) -> list[dict]:
     return rows
 
 
+def _fmt(x, width: int, spec: str) -> str:
+    """``x`` right-aligned in ``width`` with format ``spec``, or ``-`` if it is None (not measured)."""
+    return f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"
+
+
 def gluon_table(data: dict) -> str:
     """The Gluon forward's recorded speed as a text table: a provenance line, then per cell the
     four designs, the Triton TMA forward and cuDNN (TFLOP/s) and the ratios of :func:`gluon_rows`."""
@@ -302,11 +311,10 @@ def gluon_table(data: dict) -> str:
     lines = [provenance(data),
              "forward TFLOP/s, d=128, 16 heads, B·N = 16k tokens; pp = d: pingpong",
              head, "-" * len(head)]
-    fmt = lambda x, width, spec: f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"  # noqa: E731
     for row in gluon_rows(data):
         lines.append(f"{row['dtype']:<9} {row['N']:>6} {str(row['causal']):>6} |"
-                     + "".join(fmt(row[impl], 12, ".1f") for _, impl in GLUON_COLUMNS)
-                     + f" | {fmt(row['vs_tma'], 9, '.2f')} {fmt(row['vs_cudnn'], 10, '.2f')}")
+                     + "".join(_fmt(row[impl], 12, ".1f") for _, impl in GLUON_COLUMNS)
+                     + f" | {_fmt(row['vs_tma'], 9, '.2f')} {_fmt(row['vs_cudnn'], 10, '.2f')}")
     return "\n".join(lines)
 
 
@@ -484,7 +492,6 @@ def fa4_summary_table(data: dict) -> str:
             f"{'÷ cuDNN median':>15}{'min':>6} |{'÷ baseline':>11}")
     lines = [provenance(data), _fa4_grid_line(data), head, "-" * len(head)]
     summary = data["summary"]["speed"]
-    fmt = lambda x, width, spec: f"{x:>{width}{spec}}" if x is not None else f"{'-':>{width}}"  # noqa: E731
     for d in dict.fromkeys(d for _, d in data["meta"]["groups"]):
         for variant, gd in data["meta"]["groups"]:
             if gd != d:
@@ -492,14 +499,14 @@ def fa4_summary_table(data: dict) -> str:
             for config in _fa4_group_configs(data, variant, d):
                 name = f"{variant}/{d}/{config}"
                 facts, s = data["compile"].get(name, {}), summary.get(name, {})
-                lines.append(f"{variant:<9}{d:>4}  {fa4_label(data, config):<16}|{fmt(facts.get('ex2'), 5, 'd')}"
-                             f"{fmt(facts.get('poly_fma'), 9, 'd')}{fmt(facts.get('registers'), 6, 'd')}"
-                             f"{fmt(facts.get('spill_bytes'), 6, 'd')} |{fmt(s.get('median_x_cudnn'), 15, '.3f')}"
-                             f"{fmt(s.get('min_x_cudnn'), 6, '.3f')} |{fmt(s.get('median_x_baseline'), 11, '.3f')}")
+                lines.append(f"{variant:<9}{d:>4}  {fa4_label(data, config):<16}|{_fmt(facts.get('ex2'), 5, 'd')}"
+                             f"{_fmt(facts.get('poly_fma'), 9, 'd')}{_fmt(facts.get('registers'), 6, 'd')}"
+                             f"{_fmt(facts.get('spill_bytes'), 6, 'd')} |{_fmt(s.get('median_x_cudnn'), 15, '.3f')}"
+                             f"{_fmt(s.get('min_x_cudnn'), 6, '.3f')} |{_fmt(s.get('median_x_baseline'), 11, '.3f')}")
         library = summary.get(f"{FA4_LIBRARY}/{d}")
         if library:
-            lines.append(f"{'Triton forward (the library)':<31}|{'':>26} |{fmt(library['median_x_cudnn'], 15, '.3f')}"
-                         f"{fmt(library['min_x_cudnn'], 6, '.3f')} |{'-':>11}")
+            lines.append(f"{'Triton forward (the library)':<31}|{'':>26} |{_fmt(library['median_x_cudnn'], 15, '.3f')}"
+                         f"{_fmt(library['min_x_cudnn'], 6, '.3f')} |{'-':>11}")
     return "\n".join(lines)
 
 
@@ -549,6 +556,140 @@ def fa4_accuracy_table(data: dict) -> str:
                    for k in kinds]
         lines.append(f"{variant:<9}{d:>4}  {fa4_label(data, config):<16}| {passed[0]:>16}{passed[1]:>6} |"
                      f"{a['worst_o_x_sdpa']:>15.2f}{a['worst_lse_x_sdpa']:>11.2f} | {skipped[0]:>26}{skipped[1]:>8}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the backward's overlap and persistent grid (section 8)
+
+BWD_OVERLAP_FILE = RECORDED_DIR / "h100_gluon_bwd_overlap.json"
+BWD_IMPL = "bwd"  # impl prefix of tools/gluon_bwd_ablation.py's configs: bwd/<d>/<config>
+BWD_PASSES = ("bwd", "fwd+bwd")  # the backward alone (forward+backward minus forward), and both
+BWD_GRADS = ("dq", "dk", "dv")
+
+
+def load_bwd_overlap(path: Path | str = BWD_OVERLAP_FILE) -> dict | None:
+    """The recorded ablation of the Gluon backward's overlap and persistent grid on an H100
+    (``tools/gluon_bwd_ablation.py --record``), or None, with a warning naming ``path`` and the
+    tool that makes it, if ``path`` does not exist.
+
+    Keys as :func:`load_fa4`'s, but ``speed["cells"]`` are ``[dtype, d, N, causal]`` and
+    ``speed["tflops"]`` and ``summary["speed"]`` hold one entry per pass of :data:`BWD_PASSES`;
+    ``compile`` (``"bwd/d/config"``) has ``dq_overlap``: per run of dQ atomics in the PTX, the
+    ``wgmma`` instructions in flight (:func:`course_lib.kernels.gluon_backward.dq_overlap`)."""
+    data = _load_or_none(path, FA4_TIMER)  # the same timer as the forward ablation: bench's CUDA graphs
+    if data is None:
+        warnings.warn(f"no recorded backward ablation at {path}: run tools/gluon_bwd_ablation.py --out on a "
+                      "Hopper GPU, then tools/gluon_bwd_ablation.py --record on its output", stacklevel=2)
+    return data
+
+
+def bwd_overlap_rows(data: dict, pass_: str) -> list[dict]:
+    """One pass's timed cells as :func:`fa4_rows` gives the forward's: ``{"impl", "d", "dtype", "N",
+    "causal", "tflops"}``, so that :func:`fa4_speed_summary` and :func:`fa4_cells` read them.
+    Raises ValueError naming ``pass_`` if the record has no such pass."""
+    speed = data["speed"]
+    if pass_ not in speed["tflops"]:
+        raise ValueError(f"pass_ must be one of {sorted(speed['tflops'])}, got {pass_!r}")
+    return [{"impl": impl, "d": d, "dtype": dtype, "N": n, "causal": causal, "tflops": t}
+            for impl, values in speed["tflops"][pass_].items()
+            for (dtype, d, n, causal), t in zip(speed["cells"], values) if t is not None]
+
+
+def bwd_overlap_configs(data: dict, d: int) -> list[str]:
+    """The configs timed (in either pass) or checked at head dim ``d``, in the order of the run's configs."""
+    summary = data["summary"]
+    seen = set(summary["accuracy"]).union(*(summary["speed"].get(p, {}) for p in BWD_PASSES))
+    return [c for c in data["meta"]["configs"] if f"{BWD_IMPL}/{d}/{c}" in seen]
+
+
+def bwd_overlap_switches(data: dict, config: str) -> str:
+    """A config's switches of ``gluon_backward.CONFIG`` as the run set them: ``-`` (none: the library's
+    kernel), ``PIPELINE=1``, ``PERSISTENT + PIPELINE=1``, ..."""
+    switches = data["meta"]["configs"][config]
+    return " + ".join(k if v is True else f"{k}={v}" for k, v in sorted(switches.items())) or "-"
+
+
+def _bwd_head_dims(data: dict) -> list[int]:
+    return list(dict.fromkeys(d for _, d, _, _ in data["speed"]["cells"]))
+
+
+def _bwd_partial_line(data: dict) -> str:
+    """Which configs were timed on part of the grid only, and at which N (the persistent grid
+    where the kernel runs it); empty if every config was timed everywhere."""
+    rows = bwd_overlap_rows(data, BWD_PASSES[0])
+    grid = sorted({n for _, _, n, _ in data["speed"]["cells"]})
+    partial: dict = {}
+    for config in data["meta"]["configs"]:
+        seq_lens = sorted({r["N"] for r in rows if r["impl"].split("/")[2:] == [config]})
+        if seq_lens and seq_lens != grid:
+            partial.setdefault(tuple(seq_lens), []).append(config)
+    return "; ".join(f"{', '.join(configs)} timed at N = {'/'.join(map(str, ns))} only"
+                     for ns, configs in partial.items())
+
+
+def bwd_overlap_summary_table(data: dict) -> str:
+    """The ablation in one table: a provenance line, the grid, then per (d, config) the cells timed and,
+    for the backward and for forward+backward, the median and min ÷ cuDNN over those cells and the
+    median ÷ the baseline (the library's kernel, every switch off) in the same cells."""
+    m, cells = data["meta"], data["speed"]["cells"]
+    grid = f"{'/'.join(sorted({c[0] for c in cells}))} × N {'/'.join(str(n) for n in m['seq_lens'])} × causal or not"
+    passes = "".join(f" | {p + ' ÷ cuDNN median':>22}{'min':>6}{'÷ baseline':>11}" for p in BWD_PASSES)
+    head = f"{'d':>4}  {'config':<19}{'switches':<23}{'cells':>5}" + passes
+    lines = [provenance(data), f"Gluon backward, B·N = {m['tokens'] // 1024}k tokens, H·d = {m['model_dim']}, {grid}",
+             *filter(None, [_bwd_partial_line(data)]), head, "-" * len(head)]
+    for d in _bwd_head_dims(data):
+        for config in bwd_overlap_configs(data, d):
+            name = f"{BWD_IMPL}/{d}/{config}"
+            s = {p: data["summary"]["speed"].get(p, {}).get(name, {}) for p in BWD_PASSES}
+            lines.append(f"{d:>4}  {config:<19}{bwd_overlap_switches(data, config):<23}"
+                         f"{_fmt(s[BWD_PASSES[0]].get('cells'), 5, 'd')}"
+                         + "".join(f" | {_fmt(s[p].get('median_x_cudnn'), 22, '.3f')}{_fmt(s[p].get('min_x_cudnn'), 6, '.3f')}"
+                                   f"{_fmt(s[p].get('median_x_baseline'), 11, '.3f')}" for p in BWD_PASSES))
+    return "\n".join(lines)
+
+
+def bwd_overlap_cell_table(data: dict, pass_: str = "bwd") -> str:
+    """One pass cell by cell: the baseline's TFLOP/s and its ratio to cuDNN's, then every other
+    config's TFLOP/s ÷ the baseline's in the same cell (``-`` where it was not timed). A provenance
+    line first. Raises ValueError naming ``pass_`` if the record has no such pass."""
+    cells = fa4_cells(bwd_overlap_rows(data, pass_))
+    others = [c for c in data["meta"]["configs"] if c != FA4_BASELINE]
+    width = max(len(c) for c in others) + 2
+    head = (f"{'d':>4} {'dtype':<9}{'N':>6}{'causal':>7} |{'baseline':>9}{'÷ cuDNN':>8} |"
+            + "".join(f"{c:>{width}}" for c in others))
+    lines = [provenance(data), f"{pass_} TFLOP/s; each config ÷ the baseline in the same cell", head, "-" * len(head)]
+    ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+    for dtype, d, n, causal in data["speed"]["cells"]:
+        get = lambda impl: cells.get((impl, dtype, n, causal))  # noqa: E731
+        base = get(f"{BWD_IMPL}/{d}/{FA4_BASELINE}")
+        lines.append(f"{d:>4} {dtype:<9}{n:>6}{str(causal):>7} |{base or '-':>9}{ratio(base, get(f'{FA4_CUDNN}/{d}')):>8} |"
+                     + "".join(f"{ratio(get(f'{BWD_IMPL}/{d}/{c}'), base):>{width}}" for c in others))
+    return "\n".join(lines)
+
+
+def bwd_overlap_facts_table(data: dict) -> str:
+    """Per config and head dim: what its compiled kernel holds (spilled bytes, shared memory, the
+    ``wgmma`` instructions in flight at each run of dQ atomics) and its accuracy (cases within the
+    rule on ordinary inputs and on the fuzz, each gradient's worst error ÷ SDPA's)."""
+    m = data["meta"]
+    triton = sorted({f.get("triton", "?") for f in data["compile"].values()})
+    head = (f"{'d':>4}  {'config':<19}| {'spill B':>7}{'shared KiB':>11}  {'wgmma in flight at dQ adds':<27}|"
+            f" {'passed: ordinary':>16}{'fuzz':>6} | {'worst ÷ SDPA: dq':>16}" + "".join(f"{g:>5}" for g in BWD_GRADS[1:]))
+    lines = [provenance(data),
+             f"compiled kernel: the checks' fp16 causal N = 1024 one, Triton {', '.join(triton)}",
+             f"accuracy: {m['rule']}; fuzz: logits up to ±{m['fuzz_logit']:g}", head, "-" * len(head)]
+    kinds = ("ordinary", "fuzz")
+    for d in _bwd_head_dims(data):
+        for config in bwd_overlap_configs(data, d):
+            name = f"{BWD_IMPL}/{d}/{config}"
+            f, a = data["compile"].get(name, {}), data["summary"]["accuracy"].get(name, {})
+            facts = (f"{f['spill_bytes']:>7}{f['shared_bytes'] / 1024:>11.1f}  {str(f['dq_overlap']):<27}"
+                     if "spill_bytes" in f else f"{f.get('error', 'not compiled')[:47]:<47}")
+            by = a.get("by_inputs", {})
+            passed = [f"{by[k]['passed']}/{by[k]['cases']}" if k in by else "-" for k in kinds]
+            worst = [a.get(f"worst_{g}_x_sdpa") for g in BWD_GRADS]
+            lines.append(f"{d:>4}  {config:<19}| {facts}| {passed[0]:>16}{passed[1]:>6} |{_fmt(worst[0], 17, '.2f')}"
+                         + "".join(_fmt(w, 5, ".2f") for w in worst[1:]))
     return "\n".join(lines)
 
 
