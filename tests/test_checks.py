@@ -452,3 +452,36 @@ def test_numpy_broadcasting_error_of_a_missing_trailing_axis_gets_its_hint():
     with pytest.raises(ExerciseFailed) as info:
         check_function("Exercise 0.0", lambda w, o: w.T * o, reference, cases)
     assert "hint: shape" not in str(info.value)
+
+
+def test_a_mistake_models_outputs_are_remembered_for_the_next_check_of_the_same_cases():
+    """A check rebuilds its cases from a seed every time it runs: the second wrong answer's check
+    (or the learner's next attempt) reuses each model's outputs instead of running the model again,
+    names the same cause, and a model that raised raises again."""
+    calls = {"halved": 0, "broken": 0}
+
+    def halved(x):
+        calls["halved"] += 1
+        return x / 2
+
+    def broken(x):
+        calls["broken"] += 1
+        raise ValueError("this model cannot run here")
+
+    def cases():  # rebuilt from the seed each time, as a check does
+        rng = np.random.default_rng(5)
+        return [Case((rng.standard_normal(7),)), Case((torch.from_numpy(rng.standard_normal((3, 4))),))]
+
+    mistakes = {"halves": halved, "breaks": broken}
+    for attempt in range(2):
+        runs = [checks.CaseRun(n, c, c.args[0], c.args[0] / 2, "wrong", (1e-9, 1e-9))
+                for n, c in enumerate(cases(), 1)]
+        assert checks.consistent_causes(runs, mistakes) == ["halves"], attempt
+    assert calls == {"halved": 2, "broken": 1}  # each (model, case) ran once over both attempts
+    other = [Case((np.arange(3.0),))]  # other inputs: run again
+    runs = [checks.CaseRun(1, other[0], other[0].args[0], other[0].args[0] / 2, "wrong", (1e-9, 1e-9))]
+    assert checks.consistent_causes(runs, mistakes) == ["halves"] and calls["halved"] == 3
+    # a strided view is not its contiguous copy: strides are part of what a kernel model reads
+    x = torch.arange(12.0).reshape(3, 4)
+    assert checks._fingerprint(x.t()) != checks._fingerprint(x.t().contiguous())
+    assert checks._fingerprint((x, lambda: 0)) is None  # a function: not remembered

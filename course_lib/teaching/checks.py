@@ -29,9 +29,11 @@ produce (those are off by O(1) relative error). A check can override them.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import inspect
 import io
 import json
@@ -1144,6 +1146,66 @@ class CaseRun:
     crash: list[str] | None = None  # the crash's diagnosis lines, when fn raised on this case
 
 
+# A mistake model's output depends only on the case's inputs, which a check rebuilds the same from
+# its seed every time it runs: the next attempt at an exercise (and the next test of a wrong answer)
+# gets the outputs from here instead of running the models again — in the interpreter, a kernel
+# model is tenths of a second a case, and a check may try a dozen models.
+_MODEL_OUTPUTS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+MODEL_OUTPUTS_KEPT = 4096  # (model, case) pairs; the oldest are dropped first
+
+
+def _fingerprint(x):
+    """A hashable stand-in for an input ``x`` of a case: values, dtype, shape and strides of an
+    array or CPU tensor (a digest of its bytes), scalars and strings as they are, containers item
+    by item. None where there is none to make cheaply (a GPU tensor, a function, an object)."""
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return (type(x).__name__, x)
+    if isinstance(x, np.ndarray):
+        return ("ndarray", x.dtype.str, x.shape, x.strides,
+                hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest())
+    if is_tensor(x):
+        import torch  # loaded already: x is a tensor
+
+        if x.device.type != "cpu" or x.requires_grad or x.is_sparse:
+            return None
+        flat = x.detach().contiguous().reshape(-1)
+        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return ("tensor", str(x.dtype), tuple(x.shape), tuple(x.stride()), x.storage_offset(),
+                hashlib.blake2b(raw, digest_size=16).digest())
+    if isinstance(x, (tuple, list)):
+        items = tuple(_fingerprint(i) for i in x)
+        return None if any(i is None for i in items) else (type(x).__name__, items)
+    if isinstance(x, dict):
+        items = tuple((k, _fingerprint(v)) for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])))
+        return None if any(v is None for _, v in items) else ("dict", items)
+    return None
+
+
+def _model_output(wrong_fn: Callable, case: "Case"):
+    """``wrong_fn`` on the case's inputs, remembered by (model, inputs' fingerprint); an exception
+    the model raised is remembered and raised again."""
+    found = _fingerprint((case.args, case.kwargs or {}))
+    key = None if found is None else (wrong_fn, found)
+    if key is not None and key in _MODEL_OUTPUTS:
+        _MODEL_OUTPUTS.move_to_end(key)
+        ok, value = _MODEL_OUTPUTS[key]
+        if ok:
+            return value
+        raise value
+    try:
+        value = wrong_fn(*case.args, **(case.kwargs or {}))
+        outcome = (True, value)
+    except Exception as exc:  # noqa: BLE001 - remembered, then raised to the caller as before
+        outcome = (False, exc.with_traceback(None))
+    if key is not None:
+        _MODEL_OUTPUTS[key] = outcome
+        while len(_MODEL_OUTPUTS) > MODEL_OUTPUTS_KEPT:
+            _MODEL_OUTPUTS.popitem(last=False)
+    if outcome[0]:
+        return outcome[1]
+    raise outcome[1]
+
+
 def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) -> list[str]:
     """The causes whose mistake model reproduces the learner's output on every case where both
     ran: on the first wrong case (the one the diagnosis shows) and on every other case, right or
@@ -1158,7 +1220,7 @@ def consistent_causes(runs: Sequence[CaseRun], mistakes: dict[str, Callable]) ->
     for cause, wrong_fn in mistakes.items():
         for i, run in enumerate(order):
             try:
-                mistaken = wrong_fn(*run.case.args, **(run.case.kwargs or {}))
+                mistaken = _model_output(wrong_fn, run.case)
             except Exception:  # noqa: BLE001 - no evidence on this case
                 if i == 0:
                     break
