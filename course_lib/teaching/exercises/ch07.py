@@ -1180,16 +1180,47 @@ def _saved_tensor_gradients(q, k, v, o, lse, do, causal: bool, scale: float):
 
 def _function_mistake(name):
     """A FlashAttention Function's ``(o, dq, dk, dv)`` with one classic glue mistake around right
-    kernels, computed in float64 from what the glue hands the kernels (no interpreted launches:
-    the models run on every failing case of a check)."""
+    kernels. On a GPU the answer-key kernels run with the mistake (fast there, and a mistake's
+    huge P rounds to fp16/bf16 as only those kernels round it); in the interpreter the same is
+    computed in float64 from what the glue hands the kernels (:func:`_saved_tensor_gradients`:
+    interpreted launches would cost tenths of a second per model and case)."""
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal, scale):
+            o, lse = forward_kernel.attention_forward(q, k, v, causal, scale)
+            ctx.save_for_backward(q, k, v, _saved_o(o), lse)
+            ctx.causal, ctx.scale = causal, scale
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors
+            keys, values = (v, k) if name == "kv_swapped" else (k, v)  # launch_backward's k and v exchanged
+            dq, dk, dv = launch_backward(backward.dkdv_kernel, backward.dq_kernel, q, keys, values, o, lse,
+                                         do, _causal(ctx.causal), _scale(q, ctx.scale))
+            return (dk, dq, dv, None, None) if name == "swapped" else (dq, dk, dv, None, None)
+
+    Wrong.__name__ = f"FlashAttention_{name}"
+
+    def _saved_o(o):  # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
+        return o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
+
+    def _causal(causal):
+        return False if name == "causal_not_passed" else causal
+
+    def _scale(q, scale):
+        return default_scale(q.shape[-1]) if name == "default_scale" else scale
+
     def wrong(q, k, v, do, causal, scale):
+        if q.is_cuda:
+            try:
+                return run_function(Wrong, q, k, v, do, causal, scale)
+            except _Diagnosed:
+                return None
         o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
-        # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
-        saved_o = o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
-        keys, values = (v, k) if name == "kv_swapped" else (k, v)  # launch_backward's k and v exchanged
-        dq, dk, dv = _saved_tensor_gradients(
-            q, keys, values, saved_o, lse, do, False if name == "causal_not_passed" else causal,
-            default_scale(q.shape[-1]) if name == "default_scale" else scale)
+        keys, values = (v, k) if name == "kv_swapped" else (k, v)
+        dq, dk, dv = _saved_tensor_gradients(q, keys, values, _saved_o(o), lse, do, _causal(causal),
+                                             _scale(q, scale))
         if name == "swapped":  # return dk, dq, dv, None, None
             if dq.shape != dk.shape:
                 raise ValueError("autograd refuses a gradient whose shape is not its input's")
