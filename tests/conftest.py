@@ -15,7 +15,11 @@ _CHAPTER_RE = re.compile(r"^(\d\d)_")
 
 def pytest_configure(config):
     """Choose GPU or interpreter once, before any test module imports torch.optim, triton or a
-    kernel module (as every notebook's first cell does)."""
+    kernel module (as every notebook's first cell does) — in each process that runs tests: not
+    in pytest-xdist's controller, which only hands files to its workers (torch and triton cost it
+    seconds of CPU for nothing)."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+        return  # the controller of -n N: every worker calls this itself
     from course_lib.platform import runtime
 
     runtime.setup(verbose=False)
