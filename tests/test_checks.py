@@ -485,3 +485,8 @@ def test_a_mistake_models_outputs_are_remembered_for_the_next_check_of_the_same_
     x = torch.arange(12.0).reshape(3, 4)
     assert checks._fingerprint(x.t()) != checks._fingerprint(x.t().contiguous())
     assert checks._fingerprint((x, lambda: 0)) is None  # a function: not remembered
+    # a dataclass (a case's memory layout) by its fields
+    from course_lib.teaching.kernel_checks import Layout
+    a, b = Layout((0, 2, 1, 3), (0, 0, 1, 4)), Layout((0, 1, 2, 3), (0, 0, 1, 4))
+    assert checks._fingerprint(a) == checks._fingerprint(Layout((0, 2, 1, 3), (0, 0, 1, 4)))
+    assert checks._fingerprint(a) not in (None, checks._fingerprint(b))

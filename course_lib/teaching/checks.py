@@ -32,6 +32,7 @@ import ast
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -1178,6 +1179,9 @@ def _fingerprint(x):
     if isinstance(x, dict):
         items = tuple((k, _fingerprint(v)) for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])))
         return None if any(v is None for _, v in items) else ("dict", items)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # e.g. a case's memory layout
+        fields = _fingerprint({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})
+        return None if fields is None else (type(x).__qualname__, fields)
     return None
 
 

@@ -153,9 +153,12 @@ def _specs(*rows):
                  for bh, n_q, n_k, d, i, causal, scale, blocks, factor, layouts in rows)
 
 
+@functools.lru_cache(maxsize=None)
 def _replay_pieces(make_pieces, wrong):
     """The teaching kernel with known-wrong pieces, run as the case says (same scale, blocks and
-    layouts as the learner's run, so that it computes exactly what that mistake computes)."""
+    layouts as the learner's run, so that it computes exactly what that mistake computes). One
+    function per (make_pieces, wrong), the same at every check: the checks remember a model's
+    outputs by the model (``checks._model_output``)."""
     def mistaken(q, k, v, causal=False, scale=None, block_m=CHECK_BLOCK, block_n=CHECK_BLOCK,
                  layouts=None):
         run = runner(make_pieces(*wrong))
