@@ -1195,9 +1195,9 @@ def _function_mistake(name):
         @staticmethod
         def backward(ctx, do):
             q, k, v, o, lse = ctx.saved_tensors
-            keys, values = (v, k) if name == "kv_swapped" else (k, v)  # launch_backward's k and v exchanged
+            keys, values, causal, scale = _launch_args(q, k, v, ctx.causal, ctx.scale)
             dq, dk, dv = launch_backward(backward.dkdv_kernel, backward.dq_kernel, q, keys, values, o, lse,
-                                         do, _causal(ctx.causal), _scale(q, ctx.scale))
+                                         do, causal, scale)
             return (dk, dq, dv, None, None) if name == "swapped" else (dq, dk, dv, None, None)
 
     Wrong.__name__ = f"FlashAttention_{name}"
@@ -1205,11 +1205,11 @@ def _function_mistake(name):
     def _saved_o(o):  # (B, N, H, d) data reshaped, not transposed, back to (B, H, N, d): a classic slip
         return o.transpose(1, 2).reshape(o.shape) if name == "saved_o_reshaped" else o
 
-    def _causal(causal):
-        return False if name == "causal_not_passed" else causal
-
-    def _scale(q, scale):
-        return default_scale(q.shape[-1]) if name == "default_scale" else scale
+    def _launch_args(q, k, v, causal, scale):
+        """k, v, causal and scale as the glue hands them to launch_backward, with the mistake."""
+        keys, values = (v, k) if name == "kv_swapped" else (k, v)  # the launch's k and v exchanged
+        return (keys, values, False if name == "causal_not_passed" else causal,
+                default_scale(q.shape[-1]) if name == "default_scale" else scale)
 
     def wrong(q, k, v, do, causal, scale):
         if q.is_cuda:
@@ -1218,9 +1218,8 @@ def _function_mistake(name):
             except _Diagnosed:
                 return None
         o, lse = naive_attention_torch(q.double(), k.double(), v.double(), causal, scale)
-        keys, values = (v, k) if name == "kv_swapped" else (k, v)
-        dq, dk, dv = _saved_tensor_gradients(q, keys, values, _saved_o(o), lse, do, _causal(causal),
-                                             _scale(q, scale))
+        keys, values, bwd_causal, bwd_scale = _launch_args(q, k, v, causal, scale)
+        dq, dk, dv = _saved_tensor_gradients(q, keys, values, _saved_o(o), lse, do, bwd_causal, bwd_scale)
         if name == "swapped":  # return dk, dq, dv, None, None
             if dq.shape != dk.shape:
                 raise ValueError("autograd refuses a gradient whose shape is not its input's")
